@@ -1,0 +1,1 @@
+"""The pipeline engine: schedules, partitions, transport, migration and the stage runtime."""

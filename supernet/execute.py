@@ -1,0 +1,147 @@
+"""Op-by-op execution of a slice of a subnet: forward, then backward with a fixed gradient order.
+
+This is the one code path that both the single-process reference trainer (one slice holding
+every active op) and each pipeline stage (its own slice) run. Each op runs on detached leaf
+copies of its inputs, so its backward is a separate autograd call; the gradient of a tensor
+with several consumers is summed in a fixed order (consumers in reverse topological order,
+arguments left to right). A pipeline stage receives the partial sum from the stages after it
+and continues the same sum, so cutting a subnet anywhere leaves every floating-point
+operation, and its order, unchanged. That is what makes the pipeline bit-identical to the
+reference, on DAGs too.
+
+Across a cut a tensor is either a real tensor or ``None`` ("no gradient flows"), which keeps
+ops whose outputs get no gradient from receiving a zero gradient (and a weight-decay update)
+in the pipeline that they would not get in the reference.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import SupernetError
+from .graph import INPUT, ActiveOp
+from .ops import OpContext, run_op
+
+__all__ = ["Slice", "cut", "SliceRun", "loss_and_grad", "classification_loss"]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of one subnet that one stage runs: ``ops`` in order, what it receives
+    (``inputs``, node names) and what it hands on (``outputs``)."""
+
+    ops: tuple[ActiveOp, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def cut(active: Sequence[ActiveOp], bounds: Sequence[int], output: str) -> tuple[Slice, ...]:
+    """Cut ordered active ops into contiguous slices at ``bounds`` = [0, b1, ..., len(active)].
+
+    Every tensor live across a cut crosses it: a tensor produced before stage s and used at
+    stage s or later is an input of stage s (relayed through stages that do not use it). The
+    first stage receives the data (``"input"``); the last hands on the graph output.
+    """
+    n, p = len(active), len(bounds) - 1
+    if p < 1 or bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise SupernetError(f"cut bounds: expected non-decreasing [0, ..., {n}], found {list(bounds)}")
+    stage_of = {INPUT: 0}
+    for s in range(p):
+        for op in active[bounds[s] : bounds[s + 1]]:
+            stage_of[op.node] = s
+    last_use = {node: stage_of[node] for node in stage_of}
+    for op in active:
+        for src in op.inputs:
+            if src not in stage_of:
+                raise SupernetError(f"op {op.op_id!r} reads {src!r}, which no active op produces")
+            last_use[src] = max(last_use[src], stage_of[op.node])
+    last_use[output] = p - 1
+    order = [INPUT] + [op.node for op in active]
+    slices = []
+    for s in range(p):
+        ins = (INPUT,) if s == 0 else slices[-1].outputs
+        if s == p - 1:
+            outs = (output,)
+        else:
+            outs = tuple(nd for nd in order if stage_of[nd] <= s and last_use[nd] > s)
+        slices.append(Slice(tuple(active[bounds[s] : bounds[s + 1]]), tuple(ins), outs))
+    return tuple(slices)
+
+
+class SliceRun:
+    """One micro-batch on one slice: ``forward`` records, ``backward`` consumes the record."""
+
+    def __init__(
+        self,
+        sl: Slice,
+        module: Callable[[str], nn.Module],
+        ctx: Callable[[str], OpContext],
+    ) -> None:
+        self.slice = sl
+        self._module = module
+        self._ctx = ctx
+        self._records: list[tuple[ActiveOp, list[torch.Tensor | None], torch.Tensor]] | None = None
+
+    def forward(self, inputs: Sequence[torch.Tensor], grad: bool = True) -> list[torch.Tensor]:
+        sl = self.slice
+        if len(inputs) != len(sl.inputs):
+            raise SupernetError(f"slice forward: expected {len(sl.inputs)} inputs {sl.inputs}, found {len(inputs)}")
+        env = dict(zip(sl.inputs, inputs))
+        records = []
+        with torch.set_grad_enabled(grad):
+            for op in sl.ops:
+                if grad:
+                    leaves = [_leaf(src, env[src]) for src in op.inputs]
+                    args = [lf if lf is not None else env[src] for lf, src in zip(leaves, op.inputs)]
+                else:
+                    leaves, args = [], [env[src] for src in op.inputs]
+                out = run_op(self._module(op.op_id), args, self._ctx(op.op_id))
+                env[op.node] = out
+                if grad:
+                    records.append((op, leaves, out))
+        self._records = records if grad else None
+        return [env[nd] for nd in sl.outputs]
+
+    def backward(self, out_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Backward through the slice given the gradients of its outputs; returns the
+        gradients of its inputs (``None`` where no gradient flows). Frees the record."""
+        if self._records is None:
+            raise SupernetError("slice backward: no forward with grad=True to go back through")
+        sl = self.slice
+        acc: dict[str, torch.Tensor] = {nd: g for nd, g in zip(sl.outputs, out_grads) if g is not None}
+        for op, leaves, out in reversed(self._records):
+            g = acc.pop(op.node, None)
+            if g is None or not out.requires_grad:
+                continue
+            torch.autograd.backward(out, g)
+            for src, leaf in zip(op.inputs, leaves):
+                if leaf is not None and leaf.grad is not None:
+                    acc[src] = acc[src] + leaf.grad if src in acc else leaf.grad
+        self._records = None
+        return [acc.get(nd) for nd in sl.inputs]
+
+
+def _leaf(src: str, t: torch.Tensor) -> torch.Tensor | None:
+    if src == INPUT or not t.is_floating_point():
+        return None
+    return t.detach().requires_grad_(True)
+
+
+def classification_loss(logits: torch.Tensor, target: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Cross-entropy summed over the micro-batch and divided by the whole batch's size, so
+    the micro-batch losses add up to the batch mean."""
+    return F.cross_entropy(logits, target, reduction="sum") / batch_size
+
+
+def loss_and_grad(
+    logits: torch.Tensor, target: torch.Tensor, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch loss and its gradient with respect to the logits."""
+    leaf = logits.detach().requires_grad_(True)
+    loss = classification_loss(leaf, target, batch_size)
+    loss.backward()
+    return loss.detach(), leaf.grad
