@@ -1,1 +1,33 @@
-"""The pipeline engine: schedules, partitions, transport, migration and the stage runtime."""
+"""The pipeline engine: schedules, partitions, transport, migration and the stage runtime.
+
+``create_engine`` is the entry point: the single-process reference engine outside torchrun,
+the pipelined engine (one process per stage) under it.
+"""
+from __future__ import annotations
+
+import torch
+
+from supernet import SupernetGraph
+
+from .engine import Engine, EvalResult, LrSchedule, StepResult
+from .reference import ReferenceEngine
+from .settings import DistEnv, PipelineSettings, dist_env
+from .tensors import OptimConfig, TensorManager, params_digest
+
+__all__ = [
+    "DistEnv", "Engine", "EvalResult", "LrSchedule", "OptimConfig", "PipelineSettings", "ReferenceEngine",
+    "StepResult", "TensorManager", "create_engine", "dist_env", "params_digest",
+]
+
+
+def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
+                  settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None) -> Engine:
+    """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
+    RANK/WORLD_SIZE is set), else one pipeline stage per rank."""
+    env = env if env is not None else dist_env()
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if env is None:
+        return ReferenceEngine(graph, seed, optim, microbatches, lr, dev)
+    from .runtime import PipelineEngine
+
+    return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev)

@@ -1,0 +1,138 @@
+"""What every training engine offers the search loop, and the pieces engines share.
+
+Two engines implement :class:`Engine`: the single-process reference
+(:class:`pipeline.reference.ReferenceEngine`) and the pipelined one
+(:class:`pipeline.runtime.PipelineEngine`). The search loop talks only to this interface, so
+one search code path serves one process and many. Every rank calls every method with the
+same arguments, in the same order.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from supernet import Arch, SupernetGraph, build_op
+
+__all__ = [
+    "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
+    "split_batch",
+]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One training step, as seen by the main rank (others get ``loss=nan``)."""
+
+    step: int
+    arch: Arch
+    loss: float
+    microbatch_losses: tuple[float, ...]
+    seconds: float
+    migrated_ops: int = 0
+    migrated_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """A forward-only evaluation of one subnet; the same values on every rank."""
+
+    loss: float
+    correct: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+
+class Engine(Protocol):
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult: ...
+
+    def evaluate(self, arch: Arch, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                 calib_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> EvalResult: ...
+
+    def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Every op's flat state on the main rank (gathered), ``None`` on the others."""
+
+    def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """Learning rate as a pure function of the step: constant or cosine, with linear warm-up."""
+
+    base: float
+    total_steps: int
+    kind: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "cosine"):
+            raise ValueError(f"train.lr_schedule: expected 'constant' or 'cosine', found {self.kind!r}")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.base * (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return self.base
+        t = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return self.min_lr + 0.5 * (self.base - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def split_batch(x: torch.Tensor, y: torch.Tensor, microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split a batch into equal micro-batches (the config checks that they divide it)."""
+    if x.shape[0] % microbatches:
+        raise ValueError(
+            f"train.microbatches: expected a divisor of the batch size {x.shape[0]}, found {microbatches}"
+        )
+    return list(zip(x.chunk(microbatches), y.chunk(microbatches)))
+
+
+@lru_cache(maxsize=64)
+def graph_has_batchnorm(graph: SupernetGraph) -> bool:
+    """Whether any op of the supernet has batch norm (decided without building real weights,
+    the same on every rank)."""
+    with torch.device("meta"):
+        for slot in graph.slots():
+            if any(isinstance(m, _BatchNorm) for m in build_op(slot.spec, slot.op_id, 0).modules()):
+                return True
+    return False
+
+
+@contextmanager
+def recalibrated_bn(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Reset the batch-norm statistics of ``modules`` to a cumulative average for the duration
+    (so forward passes in train mode recalibrate them for one subnet), then restore them.
+
+    Searching with inherited weights must not disturb the supernet's trained statistics.
+    """
+    bns = [m for mod in modules for m in mod.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    saved = [(bn, bn.momentum, {k: v.clone() for k, v in bn.named_buffers(recurse=False)}) for bn in bns]
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for bn, momentum, buffers in saved:
+                bn.momentum = momentum
+                for k, v in buffers.items():
+                    getattr(bn, k).copy_(v)
