@@ -26,7 +26,7 @@ from .errors import SupernetError
 from .graph import INPUT, ActiveOp
 from .ops import OpContext, run_op
 
-__all__ = ["Slice", "cut", "SliceRun", "loss_and_grad", "classification_loss"]
+__all__ = ["Slice", "cut", "live_across", "SliceRun", "loss_and_grad", "classification_loss"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,27 @@ class Slice:
     outputs: tuple[str, ...]
 
 
+def live_across(active: Sequence[ActiveOp], output: str) -> list[tuple[str, ...]]:
+    """For each boundary position i in 0..len(active) (just before op i), the nodes live across
+    it: produced before i (the data counts as produced before 0) and used at or after i (the
+    graph output is used by the loss, after the last op). Ordered data first, then op order."""
+    n = len(active)
+    pos = {INPUT: -1}
+    for i, op in enumerate(active):
+        pos[op.node] = i
+    last = dict(pos)
+    for i, op in enumerate(active):
+        for src in op.inputs:
+            if src not in pos:
+                raise SupernetError(f"op {op.op_id!r} reads {src!r}, which no active op produces")
+            last[src] = max(last[src], i)
+    if output not in pos:
+        raise SupernetError(f"graph output {output!r} is not produced by any active op")
+    last[output] = n
+    order = [INPUT] + [op.node for op in active]
+    return [tuple(nd for nd in order if pos[nd] < i <= last[nd]) for i in range(n + 1)]
+
+
 def cut(active: Sequence[ActiveOp], bounds: Sequence[int], output: str) -> tuple[Slice, ...]:
     """Cut ordered active ops into contiguous slices at ``bounds`` = [0, b1, ..., len(active)].
 
@@ -49,27 +70,15 @@ def cut(active: Sequence[ActiveOp], bounds: Sequence[int], output: str) -> tuple
     n, p = len(active), len(bounds) - 1
     if p < 1 or bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise SupernetError(f"cut bounds: expected non-decreasing [0, ..., {n}], found {list(bounds)}")
-    stage_of = {INPUT: 0}
-    for s in range(p):
-        for op in active[bounds[s] : bounds[s + 1]]:
-            stage_of[op.node] = s
-    last_use = {node: stage_of[node] for node in stage_of}
-    for op in active:
-        for src in op.inputs:
-            if src not in stage_of:
-                raise SupernetError(f"op {op.op_id!r} reads {src!r}, which no active op produces")
-            last_use[src] = max(last_use[src], stage_of[op.node])
-    last_use[output] = p - 1
-    order = [INPUT] + [op.node for op in active]
-    slices = []
-    for s in range(p):
-        ins = (INPUT,) if s == 0 else slices[-1].outputs
-        if s == p - 1:
-            outs = (output,)
-        else:
-            outs = tuple(nd for nd in order if stage_of[nd] <= s and last_use[nd] > s)
-        slices.append(Slice(tuple(active[bounds[s] : bounds[s + 1]]), tuple(ins), outs))
-    return tuple(slices)
+    live = live_across(active, output)
+    return tuple(
+        Slice(
+            tuple(active[bounds[s] : bounds[s + 1]]),
+            (INPUT,) if s == 0 else live[bounds[s]],
+            (output,) if s == p - 1 else live[bounds[s + 1]],
+        )
+        for s in range(p)
+    )
 
 
 class SliceRun:
