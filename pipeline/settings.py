@@ -19,6 +19,9 @@ class PipelineSettings:
     ``eps``: the migration-aware planner's slack over the optimal slowest-stage time.
     ``timeout_s``: every wait on another rank gives up after this long, and the job exits.
     ``backend``: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
+    ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the link model the planner charges for
+    what crosses a cut. ``memory_budget_bytes``: per-stage limit on weights, optimizer state and
+    in-flight activations (``null``: no limit).
     """
 
     stages: int | None = None
@@ -28,6 +31,12 @@ class PipelineSettings:
     timeout_s: float = 60.0
     backend: str = "auto"
     check_agreement: bool = True
+    link_bandwidth: float = 1e9
+    link_latency_s: float = 5e-5
+    memory_budget_bytes: float | None = None
+
+    def budgets(self, num_stages: int) -> tuple[float, ...] | None:
+        return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
 
     def __post_init__(self) -> None:
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
@@ -40,6 +49,13 @@ class PipelineSettings:
             raise ValueError(f"pipeline.eps: expected a number >= 0, found {self.eps!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"pipeline.timeout_s: expected a positive number of seconds, found {self.timeout_s!r}")
+        if not self.link_bandwidth > 0 or not self.link_latency_s >= 0:
+            raise ValueError(
+                "pipeline.link_bandwidth / pipeline.link_latency_s: expected a positive bandwidth and a "
+                f"latency >= 0, found {self.link_bandwidth!r} and {self.link_latency_s!r}"
+            )
+        if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
+            raise ValueError(f"pipeline.memory_budget_bytes: expected a positive number or null, found {self.memory_budget_bytes!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
 

@@ -1,0 +1,124 @@
+"""Point-to-point transport of tensor lists whose shapes change from subnet to subnet.
+
+A message is a list of tensors (``None`` allowed: "no gradient flows here") plus optional
+bytes of metadata. It travels as a fixed-size int64 header (count, dtypes, shapes, metadata
+length), an overflow header when the first is too small, the metadata bytes, and then one
+contiguous buffer per tensor, each received into its own fresh allocation (so a received
+tensor is laid out exactly like one computed in place). Sends are posted asynchronously and
+kept alive until ``flush``; receives wait with a timeout, so a dead peer never hangs a rank.
+Messages between a pair of ranks in one direction arrive in the order they were sent, which is
+what NCCL requires and what the schedules guarantee.
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport", "TransportError", "PeerError"]
+
+_HEADER = 64
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class TransportError(RuntimeError):
+    """A message could not be sent or received."""
+
+
+class PeerError(TransportError):
+    """A peer did not answer in time or went away."""
+
+    def __init__(self, peer: int, what: str, cause: BaseException | str) -> None:
+        super().__init__(f"{what} rank {peer} failed: {cause}")
+        self.peer = peer
+
+
+class Transport:
+    def __init__(self, rank: int, device: torch.device, timeout_s: float) -> None:
+        self.rank = rank
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._pending: list[tuple[dist.Work, int, torch.Tensor]] = []
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, tensors: Sequence[torch.Tensor | None], dst: int, meta: bytes = b"") -> int:
+        """Post a message to ``dst`` without waiting; returns the payload bytes."""
+        words = [len(tensors), len(meta)]
+        bufs = []
+        for t in tensors:
+            if t is None:
+                words.append(-1)
+                continue
+            if t.dtype not in _CODE:
+                raise TransportError(f"cannot send dtype {t.dtype}; supported: {_DTYPES}")
+            words += [_CODE[t.dtype], t.dim(), *t.shape]
+            bufs.append(t.detach().contiguous())
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        total = len(words) + 1
+        header[0] = total
+        first = words[: _HEADER - 1]
+        header[1 : 1 + len(first)] = torch.tensor(first, dtype=torch.int64)
+        msgs = [header]
+        if total > _HEADER:
+            msgs.append(torch.tensor(words[_HEADER - 1 :], dtype=torch.int64))
+        if meta:
+            msgs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        msgs = [m.to(self.device) for m in msgs] + bufs
+        for m in msgs:
+            self._pending.append((dist.isend(m, dst), dst, m))
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def flush(self) -> None:
+        """Wait until every posted send has completed (its buffers may then be reused)."""
+        pending, self._pending = self._pending, []
+        for work, dst, _buffer in pending:
+            self._wait(work, "sending to", dst)
+
+    # -- receiving -------------------------------------------------------------------------
+    def recv(self, src: int) -> tuple[list[torch.Tensor | None], bytes]:
+        """Receive one message from ``src`` (blocks up to the timeout)."""
+        header = self._recv_into(torch.empty(_HEADER, dtype=torch.int64, device=self.device), src)
+        header = header.cpu().tolist()
+        total = header[0]
+        words = header[1:total] if total <= _HEADER else header[1:]
+        if total > _HEADER:
+            more = self._recv_into(torch.empty(total - _HEADER, dtype=torch.int64, device=self.device), src)
+            words += more.cpu().tolist()
+        count, meta_len = words[0], words[1]
+        meta = b""
+        if meta_len:
+            meta = bytes(self._recv_into(torch.empty(meta_len, dtype=torch.uint8, device=self.device), src).cpu().numpy())
+        out: list[torch.Tensor | None] = []
+        i = 2
+        for _ in range(count):
+            code = words[i]
+            if code == -1:
+                out.append(None)
+                i += 1
+                continue
+            ndim = words[i + 1]
+            shape = words[i + 2 : i + 2 + ndim]
+            i += 2 + ndim
+            out.append(self._recv_into(torch.empty(shape, dtype=_DTYPES[code], device=self.device), src))
+        return out, meta
+
+    def _recv_into(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+        self._wait(dist.irecv(buf, src), "receiving from", src)
+        return buf
+
+    def _wait(self, work: dist.Work, what: str, peer: int) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as e:  # gloo raises on timeout and on a closed connection
+            raise PeerError(peer, what, _short(e)) from e
+        if ok is False:
+            raise PeerError(peer, what, f"no answer within {self.timeout.total_seconds():g} s")
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
