@@ -1,0 +1,146 @@
+"""Op cost tables and the partition problem of one subnet.
+
+A :class:`CostTable` gives, for every op of a supernet at one micro-batch shape, its
+:class:`~pipeline.partition.OpCost` (forward/backward seconds, parameter, optimizer-state and
+kept-activation bytes) and, for every node, the bytes of its output (what crosses a cut).
+``analytic_costs`` derives one without running anything real: each op runs on the *meta*
+device under a FLOP counter, so a NASPipe-sized space at width 1024 costs nothing to model.
+The measured profiler (``pipeline.profile``) produces the same table from timings.
+``subnet_problem`` turns a table and an arch into the partitioner's input.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from supernet import INPUT, ActiveOp, OpContext, SupernetError, SupernetGraph, build_op
+from supernet.execute import live_across
+
+from .partition import OpCost, PartitionProblem
+
+__all__ = ["CostTable", "analytic_costs", "mean_problem", "optim_bytes", "subnet_problem"]
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-op costs and per-node output bytes for one supernet at one micro-batch shape."""
+
+    ops: Mapping[str, OpCost]
+    out_bytes: Mapping[str, int]
+    microbatch: int
+    source: str  # "analytic" or "measured:<device>"
+
+
+def optim_bytes(param_bytes: int, optimizer: str) -> int:
+    """Optimizer-state bytes per parameter bytes: SGD keeps a momentum buffer, AdamW two moments."""
+    return {"sgd": 1, "adamw": 2}.get(optimizer, 1) * param_bytes
+
+
+class _ActivationBytes(TorchDispatchMode):
+    """Adds up the bytes of every non-view tensor an op's forward creates (≈ what autograd keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not getattr(func, "is_view", False):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def analytic_costs(
+    graph: SupernetGraph,
+    sample_shape: tuple[int, ...],
+    microbatch: int,
+    optimizer: str = "sgd",
+    flops_per_s: float = 2e10,
+    bytes_per_s: float = 1e10,
+    overhead_s: float = 2e-5,
+) -> CostTable:
+    """A cost table from FLOPs and bytes (no real compute): time = FLOPs / ``flops_per_s`` +
+    bytes touched / ``bytes_per_s`` + a fixed per-op overhead; backward costs twice forward."""
+    ops: dict[str, OpCost] = {}
+    out_bytes: dict[str, int] = {}
+    with torch.device("meta"):
+        env = {INPUT: torch.empty((microbatch, *sample_shape))}
+        out_bytes[INPUT] = env[INPUT].numel() * env[INPUT].element_size()
+        slots_by_node: dict[str, list] = {}
+        for slot in graph.slots():
+            slots_by_node.setdefault(slot.node, []).append(slot)
+        for node in graph.nodes():
+            args = [env[src] for src in graph.inputs_of(node)]
+            shape = None
+            for slot in slots_by_node[node]:
+                module = build_op(slot.spec, slot.op_id, 0)
+                counter, acts = FlopCounterMode(display=False), _ActivationBytes()
+                with counter, acts:
+                    out = module(*args, ctx=OpContext(0, 0, 0, slot.op_id, False))
+                if shape is None:
+                    shape, env[node] = tuple(out.shape), out
+                elif tuple(out.shape) != shape:
+                    raise SupernetError(
+                        f"node {node!r}: every candidate must produce the same output shape; "
+                        f"{slot.op_id!r} gives {tuple(out.shape)}, an earlier candidate gives {shape}"
+                    )
+                pbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+                flops = counter.get_total_flops()
+                touched = acts.bytes + sum(a.numel() * a.element_size() for a in args)
+                fwd = flops / flops_per_s + touched / bytes_per_s + overhead_s
+                bwd = 2 * flops / flops_per_s + 2 * touched / bytes_per_s + overhead_s
+                ops[slot.op_id] = OpCost(slot.op_id, fwd, bwd, pbytes, optim_bytes(pbytes, optimizer), acts.bytes)
+            out_bytes[node] = env[node].numel() * env[node].element_size()
+    return CostTable(ops, out_bytes, microbatch, "analytic")
+
+
+def subnet_problem(
+    graph: SupernetGraph,
+    active: tuple[ActiveOp, ...],
+    table: CostTable,
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str,
+    bandwidth: float,
+    latency: float,
+    memory_budget: tuple[float, ...] | None = None,
+) -> PartitionProblem:
+    """The partition problem of one subnet: its ops' costs in order and the bytes live across
+    every possible cut (the same live sets :func:`supernet.execute.cut` sends)."""
+    live = live_across(active, graph.output)
+    cut_bytes = tuple(sum(table.out_bytes[n] for n in nodes) for nodes in live)
+    return PartitionProblem(
+        ops=tuple(table.ops[op.op_id] for op in active),
+        cut_bytes=cut_bytes,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        bandwidth=bandwidth,
+        latency=latency,
+        memory_budget=memory_budget,
+    )
+
+
+def mean_problem(graph: SupernetGraph, table: CostTable, **problem: object) -> PartitionProblem:
+    """The supernet's 'average subnet': each node costs the mean of its candidates. What a
+    static planner (PipeDream/torchgpipe style) partitions once. Cuts are those of the subnet
+    that picks each slot's first candidate (every node is active in every subnet)."""
+    by_node: dict[str, list[OpCost]] = {}
+    for slot in graph.slots():
+        by_node.setdefault(slot.node, []).append(table.ops[slot.op_id])
+    ops = tuple(
+        OpCost(node, sum(c.fwd for c in cs) / len(cs), sum(c.bwd for c in cs) / len(cs),
+               round(sum(c.param_bytes for c in cs) / len(cs)), round(sum(c.optim_bytes for c in cs) / len(cs)),
+               round(sum(c.act_bytes for c in cs) / len(cs)))
+        for node, cs in by_node.items()
+    )
+    first = graph.space().validate({c.label: c.values[0] for c in graph.space().choices})
+    live = live_across(graph.active_ops(first), graph.output)
+    cut_bytes = tuple(sum(table.out_bytes[n] for n in nodes) for nodes in live)
+    return PartitionProblem(ops=ops, cut_bytes=cut_bytes, **problem)

@@ -1,0 +1,388 @@
+"""The pipelined engine: one process per stage, a new partition and live migration per subnet.
+
+Every rank runs the same program on the same data: it samples the same arch, builds the same
+cost problem and plans the same partition (pure code, no messages), then cheaply checks that
+all ranks agree (one all-reduce of an arch/plan hash). Ops that the new partition places
+elsewhere migrate point-to-point with their optimizer state. Then each rank walks its own
+action list of the schedule (``1F0``, ``1B0``, ...) running its slice of the subnet with the
+same per-op executor as the reference, receives its inputs and sends its outputs, and steps
+the optimizer for the ops it owns. Gradients accumulate in ascending micro-batch order on
+every stage, exactly as in the reference, so the result is bit-identical.
+
+Failures: any exception inside a step is turned into a :class:`StageFailure` that names the
+rank, the step and the action and shows the schedule grid with that action marked. The failing
+rank leaves a note in the failure directory (when there is one), so the ranks that then lose
+their peer can name the root cause. Every wait on another rank has a timeout: no hang.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classification_loss, cut, loss_and_grad
+
+from .costs import CostTable, analytic_costs, mean_problem, subnet_problem
+from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
+from .partition import Partition, StaticPlanner, make_planner
+from .placement import Move, initial_owners, moves
+from .schedule import Action, Schedule, build as build_schedule, forward_only, format_grid, validate
+from .settings import DistEnv, PipelineSettings
+from .tensors import OptimConfig, TensorManager
+from .transport import PeerError, Transport
+
+__all__ = ["PipelineEngine", "StageFailure", "Plan"]
+
+log = logging.getLogger(__name__)
+
+
+class StageFailure(RuntimeError):
+    """A step failed on this rank; the message names rank, step and action."""
+
+    def __init__(self, message: str, rank: int, step: int, action: str) -> None:
+        super().__init__(message)
+        self.rank, self.step, self.action = rank, step, action
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where one subnet runs: its partition and each stage's slice."""
+
+    arch: Arch
+    partition: Partition
+    slices: tuple[Slice, ...]
+    digest: int
+
+
+@dataclass
+class StepStats:
+    """What this rank measured in its last step (for benchmarks and tests)."""
+
+    wall_s: float = 0.0
+    busy_s: float = 0.0
+    max_in_flight: int = 0
+    migrated_ops: int = 0
+    migrated_bytes: int = 0
+
+
+class PipelineEngine:
+    def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
+                 settings: PipelineSettings, env: DistEnv, device: torch.device,
+                 failure_dir: str | os.PathLike | None = None) -> None:
+        self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
+        self.microbatches, self.settings, self.device = microbatches, settings, device
+        self.rank, self.world_size = env.rank, env.world_size
+        self.num_stages = settings.stages or env.world_size
+        if self.num_stages != env.world_size:
+            raise ValueError(
+                f"pipeline.stages: expected the world size {env.world_size} (one process per stage), "
+                f"found {self.num_stages}"
+            )
+        fd = failure_dir if failure_dir is not None else os.environ.get("PIPENAS_FAILURE_DIR")
+        self.failure_dir = Path(fd) if fd else None
+        if not dist.is_initialized():
+            backend = settings.backend if settings.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+            if device.type == "cuda":
+                torch.cuda.set_device(env.local_rank)
+                self.device = device = torch.device("cuda", env.local_rank)
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=settings.timeout_s))
+        self.transport = Transport(self.rank, self.device, settings.timeout_s)
+        self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, microbatches)
+        validate(self.schedule)
+        self.planner = None  # built with the cost table (the static planner needs it)
+        self.owners = initial_owners(graph.slots(), self.num_stages)
+        self.tensors = TensorManager(graph, seed, optim, self.device,
+                                     own=[op for op, s in self.owners.items() if s == self.rank])
+        self.costs: CostTable | None = None
+        self.stats = StepStats()
+        self._fault = _parse_fault(os.environ.get("PIPENAS_FAULT"))
+        self._step = -1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> int:
+        return self.num_stages - 1
+
+    # -- planning --------------------------------------------------------------------------
+    def _ensure_costs(self, x: torch.Tensor, microbatch: int) -> None:
+        if self.costs is None:
+            self.costs = analytic_costs(self.graph, tuple(x.shape[1:]), microbatch, self.optim.name)
+            self.planner = self._make_planner()
+
+    def _make_planner(self):
+        name = self.settings.planner
+        if name == "dynamic":
+            return make_planner(name, eps=self.settings.eps)
+        if name == "static":
+            return StaticPlanner.from_problem(mean_problem(
+                self.graph, self.costs, num_stages=self.num_stages, num_microbatches=self.microbatches,
+                schedule=self.settings.schedule, bandwidth=self.settings.link_bandwidth,
+                latency=self.settings.link_latency_s, memory_budget=self.settings.budgets(self.num_stages)))
+        return make_planner(name)
+
+    def _problem(self, active):
+        return subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches,
+                              self.settings.schedule, self.settings.link_bandwidth, self.settings.link_latency_s,
+                              self.settings.budgets(self.num_stages))
+
+    def plan(self, arch: Arch) -> Plan:
+        """The partition of ``arch`` given where ops sit now (pure: no messages)."""
+        active = self.graph.active_ops(arch)
+        previous = {op.op_id: self.owners[op.op_id] for op in active}
+        part = self.planner.plan(self._problem(active), previous)
+        h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
+        return Plan(arch, part, cut(active, part.bounds, self.graph.output), int.from_bytes(h[:7], "little"))
+
+    def _agree(self, plan: Plan) -> None:
+        if not self.settings.check_agreement or self.world_size == 1:
+            return
+        t = torch.tensor([plan.digest, -plan.digest], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != plan.digest or int(t[1]) != -plan.digest:
+            raise RuntimeError(
+                f"ranks disagree on the subnet or its partition (this rank: arch {plan.arch.digest()}, "
+                f"bounds {list(plan.partition.bounds)}); every rank must sample the same arch stream "
+                "and use the same cost profile"
+            )
+
+    # -- migration -------------------------------------------------------------------------
+    def _migrate(self, plan: Plan) -> list[Move]:
+        """Move each op whose stage changed, with its optimizer state, point to point."""
+        todo = moves([op for sl in plan.slices for op in sl.ops], plan.partition.bounds, self.owners)
+        sent_bytes = 0
+        for mv in todo:
+            if mv.src == self.rank:
+                state = self.tensors.export(mv.op_id)
+                keys = sorted(state)
+                sent_bytes += self.transport.send([state[k] for k in keys], mv.dst,
+                                                  json.dumps([mv.op_id, keys]).encode())
+            elif mv.dst == self.rank:
+                tensors, meta = self.transport.recv(mv.src)
+                op_id, keys = json.loads(meta)
+                if op_id != mv.op_id:
+                    raise RuntimeError(f"migration out of order: expected {mv.op_id!r}, received {op_id!r}")
+                self.tensors.adopt(op_id, dict(zip(keys, tensors)))
+            self.owners[mv.op_id] = mv.dst
+        self.transport.flush()
+        self.stats.migrated_ops = len(todo)
+        self.stats.migrated_bytes = sent_bytes
+        return todo
+
+    # -- failures --------------------------------------------------------------------------
+    @contextmanager
+    def _failing(self, step: int, action: Action | str) -> Iterator[None]:
+        try:
+            self._maybe_fault(step, action)
+            yield
+        except StageFailure:
+            raise
+        except Exception as e:
+            raise self._failure(step, action, e) from e
+
+    def _failure(self, step: int, action: Action | str, e: Exception) -> StageFailure:
+        where = f"rank {self.rank} (stage {self.rank}) failed at step {step} during {action}"
+        cause = f"{type(e).__name__}: {e}"
+        if isinstance(e, PeerError):
+            root = self._root_cause(exclude=self.rank)
+            if root:
+                cause += f"\n  root cause: {root}"
+        elif self.failure_dir is not None:
+            self.failure_dir.mkdir(parents=True, exist_ok=True)
+            note = self.failure_dir / f"rank{self.rank}.json"
+            tmp = note.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rank": self.rank, "step": step, "action": str(action), "error": cause}))
+            os.replace(tmp, note)
+        grid = format_grid(self.schedule, mark=action) if isinstance(action, Action) else ""
+        msg = f"{where}: {cause}" + (f"\nschedule ({self.schedule.name}), failing action marked:\n{grid}" if grid else "")
+        log.error("%s", msg)
+        return StageFailure(msg, self.rank, step, str(action))
+
+    def _root_cause(self, exclude: int, wait_s: float = 2.0) -> str | None:
+        if self.failure_dir is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            notes = sorted(self.failure_dir.glob("rank*.json")) if self.failure_dir.exists() else []
+            for note in notes:
+                try:
+                    d = json.loads(note.read_text())
+                except (OSError, ValueError):
+                    continue
+                if d.get("rank") != exclude:
+                    return f"rank {d['rank']} failed at step {d['step']} during {d['action']}: {d['error']}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
+    def _maybe_fault(self, step: int, action: Action | str) -> None:
+        f = self._fault
+        if f and f[0] == self.rank and f[1] == step and f[2] == str(action):
+            if f[3] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected fault (PIPENAS_FAULT) at rank {self.rank}, step {step}, action {action}")
+
+    # -- training --------------------------------------------------------------------------
+    def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        t0 = time.perf_counter()
+        batch = x.shape[0]
+        mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
+        with self._failing(step, "plan"):
+            self._ensure_costs(x, batch // self.microbatches)
+            plan = self.plan(arch)
+            self._agree(plan)
+        with self._failing(step, "migrate"):
+            self._migrate(plan)
+        mine = plan.slices[self.rank]
+        runs: dict[int, SliceRun] = {}
+        head_grads: dict[int, list] = {}
+        losses = torch.zeros(self.microbatches, dtype=torch.float64)
+        busy, peak = 0.0, 0
+        for action in self.schedule.actions[self.rank]:
+            with self._failing(step, action):
+                m = action.microbatch
+                if action.kind == "F":
+                    inputs = [mbs[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
+                    a0 = time.perf_counter()
+                    run = SliceRun(mine, self.tensors.module, _ctx(self.seed, step, m, True))
+                    outs = run.forward(inputs)
+                    runs[m] = run
+                    peak = max(peak, len(runs))
+                    if self.rank == self.last:
+                        loss, g = loss_and_grad(outs[0], mbs[m][1], batch)
+                        losses[m] = loss.item()
+                        head_grads[m] = [g]
+                    busy += time.perf_counter() - a0
+                    if self.rank != self.last:
+                        self.transport.send(outs, self.rank + 1)
+                else:
+                    grads = head_grads.pop(m) if self.rank == self.last else self.transport.recv(self.rank + 1)[0]
+                    a0 = time.perf_counter()
+                    in_grads = runs.pop(m).backward(grads)
+                    busy += time.perf_counter() - a0
+                    if self.rank != 0:
+                        self.transport.send(in_grads, self.rank - 1)
+        with self._failing(step, "optimizer"):
+            self.transport.flush()
+            a0 = time.perf_counter()
+            self.tensors.step([op.op_id for op in mine.ops], self.lr(step))
+            busy += time.perf_counter() - a0
+            if self.last != 0:
+                if self.rank == self.last:
+                    self.transport.send([losses], 0)
+                    self.transport.flush()
+                elif self.rank == 0:
+                    losses = self.transport.recv(self.last)[0][0]
+        wall = time.perf_counter() - t0
+        self.stats.wall_s, self.stats.busy_s, self.stats.max_in_flight = wall, busy, peak
+        mb_losses = tuple(float(v) for v in losses.tolist()) if self.is_main else ()
+        return StepResult(step, arch, float(sum(mb_losses)) if self.is_main else float("nan"), mb_losses, wall,
+                          self.stats.migrated_ops, self.stats.migrated_bytes)
+
+    # -- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, arch: Arch, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                 calib_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> EvalResult:
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        calib = [(x.to(self.device), y) for x, y in calib_batches] if graph_has_batchnorm(self.graph) else []
+        if not batches:
+            return EvalResult(float("nan"), 0, 0)
+        with self._failing(-1, "plan"):
+            self._ensure_costs(batches[0][0], batches[0][0].shape[0])
+            plan = self.plan(arch)
+            self._agree(plan)
+        with self._failing(-1, "migrate"):
+            self._migrate(plan)
+        mine = plan.slices[self.rank]
+        totals = torch.zeros(3, dtype=torch.float64)
+        with recalibrated_bn([self.tensors.module(op.op_id) for op in mine.ops] if calib else []):
+            self._forward_stream(mine, calib, True, None)
+
+            def score(out: torch.Tensor, y: torch.Tensor) -> None:
+                totals[0] += classification_loss(out, y, 1).item()
+                totals[1] += int((out.argmax(-1) == y).sum())
+                totals[2] += int(y.shape[0])
+
+            self._forward_stream(mine, batches, False, score)
+        with self._failing(-1, "result"):
+            totals = totals.to(self.device)
+            dist.broadcast(totals, src=self.last)
+        loss_sum, correct, total = totals.cpu().tolist()
+        return EvalResult(loss_sum / max(total, 1), int(correct), int(total))
+
+    def _forward_stream(self, mine: Slice, batches: list, training: bool, on_output) -> None:
+        schedule = forward_only(self.num_stages, len(batches)) if batches else None
+        if schedule is None:
+            return
+        for action in schedule.actions[self.rank]:
+            with self._failing(-1, action):
+                m = action.microbatch
+                inputs = [batches[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
+                outs = SliceRun(mine, self.tensors.module, _ctx(self.seed, -1, m, training)).forward(inputs, grad=False)
+                if self.rank == self.last:
+                    if on_output is not None:
+                        on_output(outs[0], batches[m][1])
+                else:
+                    self.transport.send(outs, self.rank + 1)
+        self.transport.flush()
+
+    # -- state -----------------------------------------------------------------------------
+    def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Gather every op's flat state on rank 0 (collective)."""
+        with self._failing(-1, "gather"):
+            out: dict[str, dict[str, torch.Tensor]] = {}
+            for op_id in sorted(self.owners):
+                owner = self.owners[op_id]
+                if owner == self.rank:
+                    state = self.tensors.export(op_id, release=False)
+                    if self.rank == 0:
+                        out[op_id] = {k: v.detach().cpu().clone() for k, v in state.items()}
+                    else:
+                        keys = sorted(state)
+                        self.transport.send([state[k] for k in keys], 0, json.dumps(keys).encode())
+                elif self.rank == 0:
+                    tensors, meta = self.transport.recv(owner)
+                    out[op_id] = {k: t.cpu() for k, t in zip(json.loads(meta), tensors)}
+            self.transport.flush()
+        return out if self.rank == 0 else None
+
+    def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Replace the state of the ops this rank owns with ``states`` (every rank passes all)."""
+        for op_id in self.tensors.owned():
+            self.tensors.export(op_id)
+            self.tensors.adopt(op_id, states[op_id])
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _ctx(seed: int, step: int, mb: int, training: bool):
+    return lambda op_id: OpContext(seed, step, mb, op_id, training)
+
+
+def _parse_fault(text: str | None) -> tuple[int, int, str, str] | None:
+    """``PIPENAS_FAULT=<rank>:<step>:<action>:<raise|kill>`` injects a failure (for tests)."""
+    if not text:
+        return None
+    try:
+        rank, step, action, how = text.split(":")
+        if how not in ("raise", "kill"):
+            raise ValueError
+        return int(rank), int(step), action, how
+    except ValueError:
+        raise ValueError(f"PIPENAS_FAULT: expected <rank>:<step>:<action>:<raise|kill>, found {text!r}") from None

@@ -1,0 +1,164 @@
+"""Helpers for multi-process gloo tests: spawn P ranks with a file rendezvous and a timeout.
+
+Each worker runs a list of scenarios (several checks per spawn, because process start-up
+dominates on small machines) and rank 0 writes the results as JSON for the test to compare
+against the single-process reference computed in the test process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SPACES = {
+    "transformer": dict(layers=4, width=16, candidates=["attn2", "ffn2", "conv3", "identity"], dropout=0.1),
+    "conv": dict(layers=4, channels=8),
+    "cell": dict(cells=2, channels=4),
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    space: str
+    schedule: str
+    steps: int = 4
+    microbatches: int = 4
+    batch: int = 16
+    optimizer: str = "sgd"
+    planner: str = "dynamic"
+    seed: int = 0
+    eval_archs: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def build_graph(space: str):
+    from supernet.spaces import build_space
+
+    return build_space(space, input_shape=(1, 8, 8), num_classes=10, **SPACES[space])
+
+
+def step_data(seed: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def arch_stream(graph, seed: int, n: int):
+    rng = random.Random(seed)
+    space = graph.space()
+    return [space.random(rng) for _ in range(n)]
+
+
+def make_engine(sc: Scenario, graph, env=None):
+    from pipeline import LrSchedule, OptimConfig, PipelineSettings, create_engine
+
+    optim = OptimConfig(name=sc.optimizer, lr=0.05 if sc.optimizer == "sgd" else 3e-3, momentum=0.9, weight_decay=1e-4)
+    lr = LrSchedule(optim.lr, sc.steps, "cosine", warmup_steps=1)
+    settings = PipelineSettings(schedule=sc.schedule, planner=sc.planner, timeout_s=30.0, **sc.extra)
+    return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env)
+
+
+def run_scenario(sc: Scenario, env=None) -> dict:
+    """Train ``sc.steps`` steps (and evaluate ``sc.eval_archs`` archs); results as plain data."""
+    from pipeline import params_digest
+
+    graph = build_graph(sc.space)
+    engine = make_engine(sc, graph, env)
+    archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs)
+    losses, mb_losses, migrated, peaks = [], [], 0, 0
+    for step in range(sc.steps):
+        x, y = step_data(sc.seed, step, sc.batch)
+        r = engine.train_step(step, archs[step], x, y)
+        losses.append(r.loss)
+        mb_losses.append(list(r.microbatch_losses))
+        migrated += r.migrated_ops
+        peaks = max(peaks, getattr(getattr(engine, "stats", None), "max_in_flight", 0))
+    evals = []
+    for i in range(sc.eval_archs):
+        xv, yv = step_data(sc.seed + 7, i, sc.batch)
+        xc, yc = step_data(sc.seed + 9, i, sc.batch)
+        e = engine.evaluate(archs[sc.steps + i], [(xv, yv), (xv.flip(0), yv.flip(0))], [(xc, yc)])
+        evals.append([e.loss, e.correct, e.total])
+    states = engine.op_states()
+    return {
+        "losses": losses, "mb_losses": mb_losses, "evals": evals,
+        "digest": params_digest(states) if states is not None else None,
+        "migrated": migrated, "peak_in_flight": peaks, "engine": engine,
+    }
+
+
+def _worker() -> None:
+    """Entry point of a spawned rank: ``python tests/distributed.py <spec.json>``."""
+    import torch.distributed as dist
+
+    from pipeline import DistEnv
+
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{spec['rendezvous']}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    env = DistEnv(rank, world, rank)
+    results = []
+    for raw in spec["scenarios"]:
+        sc = Scenario(**raw)
+        res = run_scenario(sc, env)
+        engine = res.pop("engine")
+        peaks = [None] * world
+        dist.all_gather_object(peaks, engine.stats.max_in_flight)
+        res["peak_in_flight"] = peaks
+        results.append(res)
+    if rank == 0:
+        tmp = Path(spec["out"]).with_suffix(".tmp")
+        tmp.write_text(json.dumps(results))
+        os.replace(tmp, spec["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_extra: dict | None = None,
+          expect_ok: bool = True) -> tuple[list[dict] | None, list[subprocess.CompletedProcess | None], float]:
+    """Run ``world`` ranks of ``_worker`` on ``scenarios``; returns (rank-0 results, processes, seconds)."""
+    tmp = Path(tempfile.mkdtemp(prefix="pipenas-dist-"))
+    spec = {"rendezvous": str(tmp / "rdzv"), "out": str(tmp / "out.json"),
+            "scenarios": [asdict(s) for s in scenarios]}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    procs = []
+    t0 = time.monotonic()
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PIPENAS_FAILURE_DIR=str(tmp / "failures"))
+        env.update(env_extra or {})
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__)), str(tmp / "spec.json")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT)))
+    done: list[subprocess.CompletedProcess | None] = []
+    for p in procs:
+        remaining = max(1.0, timeout_s - (time.monotonic() - t0))
+        try:
+            out, err = p.communicate(timeout=remaining)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            done.append(None)
+    seconds = time.monotonic() - t0
+    if expect_ok:
+        for rank, d in enumerate(done):
+            assert d is not None, f"rank {rank} did not finish within {timeout_s} s"
+            assert d.returncode == 0, f"rank {rank} exited {d.returncode}:\n{d.stderr[-4000:]}"
+    out = Path(spec["out"])
+    return (json.loads(out.read_text()) if out.exists() else None), done, seconds
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _worker()
