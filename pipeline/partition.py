@@ -1,0 +1,487 @@
+"""The stage partitioner: where to cut a subnet's active ops into P contiguous pipeline stages.
+
+Stage ``s`` holding ops ``[i, j)`` (``i == j`` is an empty stage, which still relays its input)
+costs, per micro-batch (see :func:`stage_cost`, the one place this formula lives)::
+
+    time(s)   = sum(fwd + bwd of ops i..j-1)
+              + comm(i) if s > 0        # receive the activation, send its gradient back
+              + comm(j) if s < P - 1    # send the activation on, receive its gradient
+    comm(c)   = 2 * (latency + cut_bytes[c] / bandwidth)
+    memory(s) = sum(param + optim bytes of ops i..j-1)
+              + in_flight(s) * (sum(act_bytes of ops i..j-1) + cut_bytes[i])
+
+``in_flight`` is :func:`pipeline.schedule.in_flight` (``min(M, P - s)`` for 1F1B, ``M`` for
+GPipe); ``cut_bytes[i]`` is the stage's received input, kept for every micro-batch in flight.
+Comm is charged by stage position, so ``cut_bytes[0]`` only costs time when stage 0 is empty
+and has to relay the input.
+
+:func:`solve` is exact: a min-max DP over (stage, boundary) gives the smallest achievable
+slowest-stage time under the memory budgets; a second DP then picks, among all partitions
+within ``(1 + eps)`` of it, the one that moves the fewest parameter+optimizer bytes away from
+the stages that own them now, then the fastest, then the lexicographically smallest bounds.
+Baselines (equal op counts, a static split, the migration-blind oracle) share :func:`evaluate`.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import numpy as np
+
+from .schedule import SCHEDULES, in_flight
+
+__all__ = [
+    "OpCost", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
+    "equal_count", "static_bounds", "Planner", "DynamicPlanner", "EqualCountPlanner",
+    "StaticPlanner", "OraclePlanner", "make_planner", "random_problem", "time_solve", "REL_SLACK",
+]
+
+REL_SLACK = 1e-12  # relative slack on the (1 + eps) * optimum threshold: the optimum always passes
+_MIB = float(2**20)
+
+
+class PartitionError(ValueError):
+    """A partition problem is malformed or cannot fit its memory budgets."""
+
+    def __init__(self, message: str, short_by: float | None = None, stage: int | None = None) -> None:
+        super().__init__(message)
+        self.short_by = short_by  # bytes over budget on the tightest stage of the best partition
+        self.stage = stage
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _check_bytes(field: str, v: object) -> int:
+    if not _is_int(v) or v < 0:
+        raise PartitionError(f"{field}: expected a non-negative int (bytes), found {v!r}")
+    return int(v)
+
+
+def _check_seconds(field: str, v: object) -> float:
+    if not isinstance(v, (int, float, np.floating)) or not (math.isfinite(v) and v >= 0):
+        raise PartitionError(f"{field}: expected a finite non-negative number of seconds, found {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One active op's per-micro-batch times (s) and bytes; ``act_bytes`` is kept for backward."""
+
+    op_id: str
+    fwd: float
+    bwd: float
+    param_bytes: int
+    optim_bytes: int
+    act_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op_id, str) or not self.op_id:
+            raise PartitionError(f"OpCost.op_id: expected a non-empty string, found {self.op_id!r}")
+        for name in ("fwd", "bwd"):
+            object.__setattr__(self, name, _check_seconds(f"OpCost({self.op_id!r}).{name}", getattr(self, name)))
+        for name in ("param_bytes", "optim_bytes", "act_bytes"):
+            object.__setattr__(self, name, _check_bytes(f"OpCost({self.op_id!r}).{name}", getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """A subnet's active ops (topological order) to split over ``num_stages`` stages.
+
+    ``cut_bytes[i]`` is the per-micro-batch size of everything live across a boundary just
+    before op ``i`` (``N + 1`` values). ``memory_budget`` is per stage, or None for unlimited.
+    """
+
+    ops: tuple[OpCost, ...]
+    cut_bytes: tuple[int, ...]
+    num_stages: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    bandwidth: float = math.inf
+    latency: float = 0.0
+    memory_budget: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        ops = tuple(self.ops)
+        object.__setattr__(self, "ops", ops)
+        for k, op in enumerate(ops):
+            if not isinstance(op, OpCost):
+                raise PartitionError(f"PartitionProblem.ops[{k}]: expected an OpCost, found {op!r}")
+        ids = [op.op_id for op in ops]
+        if len(set(ids)) != len(ids):
+            dup = sorted({x for x in ids if ids.count(x) > 1})
+            raise PartitionError(f"PartitionProblem.ops: op ids must be unique, found duplicates {dup}")
+        cuts = tuple(_check_bytes(f"PartitionProblem.cut_bytes[{k}]", c) for k, c in enumerate(self.cut_bytes))
+        object.__setattr__(self, "cut_bytes", cuts)
+        if len(cuts) != len(ops) + 1:
+            raise PartitionError(f"PartitionProblem.cut_bytes: expected N + 1 = {len(ops) + 1} values (one per "
+                                 f"boundary, ops included at both ends), found {len(cuts)}")
+        for name in ("num_stages", "num_microbatches"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise PartitionError(f"PartitionProblem.{name}: expected a positive int, found {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise PartitionError(f"PartitionProblem.schedule: expected one of {sorted(SCHEDULES)}, "
+                                 f"found {self.schedule!r}")
+        if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
+            raise PartitionError(f"PartitionProblem.bandwidth: expected a positive number of bytes/s "
+                                 f"(math.inf for free transfers), found {self.bandwidth!r}")
+        object.__setattr__(self, "latency", _check_seconds("PartitionProblem.latency", self.latency))
+        if self.memory_budget is not None:
+            budget = tuple(float(b) for b in self.memory_budget)
+            object.__setattr__(self, "memory_budget", budget)
+            if len(budget) != self.num_stages:
+                raise PartitionError(f"PartitionProblem.memory_budget: expected {self.num_stages} values (one "
+                                     f"per stage) or None, found {len(budget)}")
+            for k, b in enumerate(budget):
+                if not b >= 0:
+                    raise PartitionError(f"PartitionProblem.memory_budget[{k}]: expected a non-negative "
+                                         f"number of bytes (math.inf for unlimited), found {b}")
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage ``s`` holds ops ``bounds[s]:bounds[s+1]``; figures are per micro-batch.
+
+    ``fits_memory`` is False when :func:`evaluate` found a stage over its budget (a baseline
+    may produce that; :func:`solve` never does).
+    """
+
+    bounds: tuple[int, ...]
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[int, ...]
+    max_time: float
+    moved_bytes: int
+    fits_memory: bool = True
+
+    def assignment(self, op_ids: Sequence[str]) -> dict[str, int]:
+        """``op_id -> stage`` for the ops of the problem this partition was made for."""
+        return {op_ids[k]: s for s in range(len(self.bounds) - 1) for k in range(self.bounds[s], self.bounds[s + 1])}
+
+
+# ------------------------------------------------------------------------------ cost model
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Prefix sums of a problem (and of the move costs against ``previous``)."""
+
+    P: int
+    compute: np.ndarray    # (N+1,) prefix of fwd + bwd
+    static: np.ndarray     # (N+1,) prefix of param + optim bytes, int64
+    act: np.ndarray        # (N+1,) prefix of act bytes, int64
+    cut: np.ndarray        # (N+1,) cut bytes, int64
+    comm: np.ndarray       # (N+1,) 2 * (latency + cut / bandwidth)
+    in_flight: np.ndarray  # (P,) int64
+    moved: np.ndarray      # (P, N+1) prefix of bytes that move if stage s takes the op, int64
+    budget: np.ndarray     # (P,) float, inf when unlimited
+
+
+def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _Tables:
+    P, ops = problem.num_stages, problem.ops
+    zero = np.zeros(1)
+    state = np.array([op.param_bytes + op.optim_bytes for op in ops], dtype=np.int64)
+    cut = np.array(problem.cut_bytes, dtype=np.int64)
+    moves = np.zeros((P, len(ops)), dtype=np.int64)
+    if previous is not None:
+        for k, op in enumerate(ops):
+            owner = previous.get(op.op_id)
+            if owner is None:
+                continue  # an op nobody owns yet costs nothing to place
+            if not _is_int(owner):
+                raise PartitionError(f"previous[{op.op_id!r}]: expected a stage index (int), found {owner!r}")
+            moves[:, k] = np.where(np.arange(P) == owner, 0, state[k])
+    budget = problem.memory_budget if problem.memory_budget is not None else (math.inf,) * P
+    return _Tables(
+        P=P,
+        compute=np.concatenate((zero, np.cumsum([op.fwd + op.bwd for op in ops]))),
+        static=np.concatenate(([0], np.cumsum(state))).astype(np.int64),
+        act=np.concatenate(([0], np.cumsum([op.act_bytes for op in ops]))).astype(np.int64),
+        cut=cut,
+        comm=2.0 * (problem.latency + cut / problem.bandwidth),
+        in_flight=np.array(in_flight(problem.schedule, P, problem.num_microbatches), dtype=np.int64),
+        moved=np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(moves, axis=1)), axis=1),
+        budget=np.array(budget, dtype=float),
+    )
+
+
+def _stage_cost(t: _Tables, s, i, j):
+    """Time, memory and moved bytes of stage(s) ``s`` holding ops ``[i, j)``; numpy-broadcasting."""
+    s = np.asarray(s)
+    time_ = (t.compute[j] - t.compute[i]) + np.where(s > 0, t.comm[i], 0.0) + np.where(s < t.P - 1, t.comm[j], 0.0)
+    memory = (t.static[j] - t.static[i]) + t.in_flight[s] * ((t.act[j] - t.act[i]) + t.cut[i])
+    moved = t.moved[s, j] - t.moved[s, i]
+    return time_, memory, moved
+
+
+def stage_cost(problem: PartitionProblem, stage: int, start: int, stop: int,
+               previous: Mapping[str, int] | None = None) -> tuple[float, int, int]:
+    """``(time, memory, moved_bytes)`` of ``stage`` holding ops ``[start, stop)``."""
+    time_, memory, moved = _stage_cost(_tables(problem, previous), stage, start, stop)
+    return float(time_), int(memory), int(moved)
+
+
+def _make_partition(t: _Tables, bounds: Sequence[int]) -> Partition:
+    b = np.asarray(bounds)
+    times, memory, moved = _stage_cost(t, np.arange(t.P), b[:-1], b[1:])
+    return Partition(
+        bounds=tuple(int(x) for x in bounds),
+        stage_times=tuple(float(x) for x in times),
+        stage_memory=tuple(int(x) for x in memory),
+        max_time=float(times.max()),
+        moved_bytes=int(moved.sum()),
+        fits_memory=bool((memory <= t.budget).all()),
+    )
+
+
+def evaluate(problem: PartitionProblem, bounds: Sequence[int],
+             previous: Mapping[str, int] | None = None) -> Partition:
+    """The stage times, memory and moved bytes of any given ``bounds`` (P + 1 values, 0..N)."""
+    bounds = tuple(bounds)
+    N, P = problem.num_ops, problem.num_stages
+    if len(bounds) != P + 1 or not all(_is_int(b) for b in bounds):
+        raise PartitionError(f"bounds: expected P + 1 = {P + 1} ints, found {bounds!r}")
+    if bounds[0] != 0 or bounds[-1] != N or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise PartitionError(f"bounds: expected non-decreasing values from 0 to N = {N}, found {bounds!r}")
+    return _make_partition(_tables(problem, previous), bounds)
+
+
+# ---------------------------------------------------------------------------------- solver
+
+
+def _minmax_dp(mats: list[np.ndarray]) -> tuple[float, tuple[int, ...]]:
+    """min over bounds of max_s mats[s][b_s, b_{s+1}]; returns the value and a minimiser."""
+    best, args = mats[0][0], []
+    for m in mats[1:]:
+        cand = np.maximum(best[:, None], m)
+        args.append(cand.argmin(axis=0))
+        best = cand.min(axis=0)
+    n = len(best) - 1
+    bounds = [n]
+    for arg in reversed(args):
+        bounds.append(int(arg[bounds[-1]]))
+    return float(best[n]), (0, *reversed(bounds))
+
+
+def _infeasible(problem: PartitionProblem, t: _Tables, memory: list[np.ndarray], upper: np.ndarray) -> PartitionError:
+    over = [np.where(upper, memory[s] - t.budget[s], np.inf) for s in range(t.P)]
+    short, bounds = _minmax_dp(over)
+    part = _make_partition(t, bounds)
+    s = int(np.argmax(np.asarray(part.stage_memory) - t.budget))
+    need, budget = part.stage_memory[s], t.budget[s]
+    return PartitionError(
+        f"memory_budget: no split of {problem.num_ops} ops over {t.P} stages fits. The closest one, bounds "
+        f"{bounds}, needs {need / _MIB:.2f} MiB on stage {s} against memory_budget[{s}] = "
+        f"{budget / _MIB:.2f} MiB: short by {short / _MIB:.2f} MiB ({short:.0f} bytes). Hint: raise "
+        f"memory_budget[{s}], use more stages, or hold fewer micro-batches in flight "
+        f"(schedule '1f1b' or a smaller num_microbatches; this problem uses {problem.schedule!r}, "
+        f"M={problem.num_microbatches}).", short_by=short, stage=s)
+
+
+def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, eps: float = 0.0) -> Partition:
+    """The exact memory-feasible min-max partition, migration-aware within ``(1 + eps)``.
+
+    ``previous`` maps op id -> the stage that owns it now (missing ops cost nothing to place).
+    Among partitions whose slowest stage is within ``(1 + eps) * optimum`` this returns the one
+    with the fewest moved bytes, then the smallest slowest stage, then the smallest bounds.
+    Raises :class:`PartitionError` (with ``short_by``) when no partition fits the budgets.
+    """
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise PartitionError(f"eps: expected a finite non-negative number, found {eps!r}")
+    t = _tables(problem, previous)
+    N, P = problem.num_ops, problem.num_stages
+    idx = np.arange(N + 1)
+    I, J = idx[:, None], idx[None, :]
+    upper = I <= J
+    T, MV, MEM = [], [], []
+    for s in range(P):
+        time_, memory, moved = _stage_cost(t, s, I, J)
+        T.append(np.where(upper & (memory <= t.budget[s]), time_, np.inf))
+        MV.append(moved.astype(float))  # integral, exact below 2**53 bytes
+        MEM.append(memory)
+
+    optimum, _ = _minmax_dp(T)
+    if not math.isfinite(optimum):
+        raise _infeasible(problem, t, MEM, upper)
+    threshold = (1.0 + eps) * optimum * (1.0 + REL_SLACK)
+
+    # Suffix DP over (stage, first op): lexicographic min of (moved bytes, slowest stage).
+    ga = [np.full(N + 1, np.inf) for _ in range(P + 1)]
+    gb = [np.full(N + 1, np.inf) for _ in range(P + 1)]
+    ga[P][N] = gb[P][N] = 0.0
+    for s in reversed(range(P)):
+        ca = np.where(T[s] <= threshold, MV[s] + ga[s + 1][None, :], np.inf)
+        cb = np.maximum(T[s], gb[s + 1][None, :])
+        ga[s] = ca.min(axis=1)
+        gb[s] = np.where(np.isfinite(ga[s]), np.where(ca == ga[s][:, None], cb, np.inf).min(axis=1), np.inf)
+
+    # Walk forward taking the smallest next bound that can still reach (moved, slowest) exactly.
+    best_moved, best_time = ga[0][0], gb[0][0]
+    bounds, i, remaining = [0], 0, best_moved
+    for s in range(P):
+        ok = ((T[s][i] <= threshold) & (MV[s][i] + ga[s + 1] == remaining)
+              & (np.maximum(T[s][i], gb[s + 1]) <= best_time))
+        j = int(np.flatnonzero(ok)[0])
+        remaining -= MV[s][i, j]
+        bounds.append(j)
+        i = j
+    return _make_partition(t, bounds)
+
+
+# -------------------------------------------------------------------------------- baselines
+
+
+def equal_count(problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+    """Equal op counts per stage, the remainder to the first stages; budgets are not consulted."""
+    q, r = divmod(problem.num_ops, problem.num_stages)
+    sizes = [q + (s < r) for s in range(problem.num_stages)]
+    return evaluate(problem, (0, *np.cumsum(sizes).tolist()), previous)
+
+
+def static_bounds(mean_problem: PartitionProblem) -> tuple[int, ...]:
+    """The split :func:`solve` picks for the supernet's mean op costs, to reuse for every subnet."""
+    return solve(mean_problem).bounds
+
+
+class Planner(Protocol):
+    """Chooses each step's partition given the subnet's problem and the current owners."""
+
+    name: ClassVar[str]
+
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition: ...
+
+
+@dataclass(frozen=True)
+class DynamicPlanner:
+    """Exact and migration-aware: :func:`solve` with tolerance ``eps``."""
+
+    eps: float = 0.0
+    name: ClassVar[str] = "dynamic"
+
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+        return solve(problem, previous, self.eps)
+
+
+@dataclass(frozen=True)
+class EqualCountPlanner:
+    """Equal op counts per stage."""
+
+    name: ClassVar[str] = "equal"
+
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+        return equal_count(problem, previous)
+
+
+@dataclass(frozen=True)
+class OraclePlanner:
+    """The exact optimum of every step, blind to migration (moved bytes are still reported)."""
+
+    name: ClassVar[str] = "oracle"
+
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+        return evaluate(problem, solve(problem).bounds, previous)
+
+
+@dataclass(frozen=True)
+class StaticPlanner:
+    """One split for every step: fixed ``bounds``, or per-stage op ``fractions`` scaled to N.
+
+    Fixed bounds suit spaces whose subnets all have the same number of active ops (a chain
+    space); use ``fractions`` when N varies. Build it from the supernet's mean costs with
+    :meth:`from_problem`. Budgets are not consulted: check ``Partition.fits_memory``.
+    """
+
+    bounds: tuple[int, ...] | None = None
+    fractions: tuple[float, ...] | None = None
+    name: ClassVar[str] = "static"
+
+    def __post_init__(self) -> None:
+        if (self.bounds is None) == (self.fractions is None):
+            raise PartitionError("StaticPlanner: expected exactly one of bounds= or fractions=, "
+                                 f"found bounds={self.bounds!r}, fractions={self.fractions!r}")
+        if self.bounds is not None:
+            object.__setattr__(self, "bounds", tuple(int(b) for b in self.bounds))
+        else:
+            fr = tuple(float(f) for f in self.fractions)
+            if not fr or any(not (math.isfinite(f) and f >= 0) for f in fr) or sum(fr) <= 0:
+                raise PartitionError(f"StaticPlanner.fractions: expected one non-negative share per stage "
+                                     f"with a positive sum, found {fr!r}")
+            object.__setattr__(self, "fractions", fr)
+
+    @classmethod
+    def from_problem(cls, mean_problem: PartitionProblem) -> StaticPlanner:
+        return cls(bounds=static_bounds(mean_problem))
+
+    def bounds_for(self, problem: PartitionProblem) -> tuple[int, ...]:
+        N, P = problem.num_ops, problem.num_stages
+        if self.bounds is not None:
+            if len(self.bounds) != P + 1 or self.bounds[-1] != N:
+                raise PartitionError(
+                    f"StaticPlanner.bounds: {self.bounds} were made for N={self.bounds[-1]} ops over "
+                    f"{len(self.bounds) - 1} stages, found a problem with N={N}, P={P}. Hint: fixed bounds "
+                    "only suit spaces with a constant op count; use fractions= otherwise")
+            return self.bounds
+        if len(self.fractions) != P:
+            raise PartitionError(f"StaticPlanner.fractions: expected {P} shares (one per stage), "
+                                 f"found {len(self.fractions)}")
+        cum = np.cumsum(self.fractions) / sum(self.fractions)
+        return (0, *(int(math.floor(c * N + 0.5)) for c in cum[:-1]), N)
+
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+        return evaluate(problem, self.bounds_for(problem), previous)
+
+
+_PLANNERS = {"dynamic": DynamicPlanner, "equal": EqualCountPlanner, "static": StaticPlanner,
+             "oracle": OraclePlanner}
+
+
+def make_planner(name: str, **kw: object) -> Planner:
+    """Build a planner by name: ``dynamic`` (eps=), ``equal``, ``static`` (bounds= | fractions=), ``oracle``."""
+    if name not in _PLANNERS:
+        raise PartitionError(f"planner name: expected one of {sorted(_PLANNERS)}, found {name!r}")
+    try:
+        return _PLANNERS[name](**kw)
+    except TypeError as e:
+        raise PartitionError(f"planner {name!r}: bad options {sorted(kw)}: {e}") from None
+
+
+# ------------------------------------------------------------------------ problems and timing
+
+
+def random_problem(rng: np.random.Generator, num_ops: int, num_stages: int, num_microbatches: int = 4,
+                   schedule: str = "1f1b", bandwidth: float = 1e9, latency: float = 1e-5,
+                   memory_budget: tuple[float, ...] | None = None) -> PartitionProblem:
+    """A random problem with op costs of a few milliseconds and megabytes (tests, benchmarks)."""
+    ops = tuple(
+        OpCost(f"op{k}", float(rng.uniform(1e-3, 5e-3)), float(rng.uniform(2e-3, 1e-2)),
+               int(rng.integers(0, 8 << 20)), int(rng.integers(0, 16 << 20)), int(rng.integers(0, 4 << 20)))
+        for k in range(num_ops))
+    cuts = tuple(int(c) for c in rng.integers(1 << 16, 4 << 20, size=num_ops + 1))
+    return PartitionProblem(ops, cuts, num_stages, num_microbatches, schedule, bandwidth, latency, memory_budget)
+
+
+def time_solve(num_ops: int = 50, num_stages: int = 8, num_microbatches: int = 8, eps: float = 0.05,
+               repeats: int = 21, seed: int = 0) -> float:
+    """Median seconds of one :func:`solve` on a random problem with a feasible budget and owners."""
+    rng = np.random.default_rng(seed)
+    loose = random_problem(rng, num_ops, num_stages, num_microbatches)
+    ref = solve(loose)
+    budget = (1.1 * max(ref.stage_memory),) * num_stages
+    problem = PartitionProblem(loose.ops, loose.cut_bytes, num_stages, num_microbatches, loose.schedule,
+                               loose.bandwidth, loose.latency, budget)
+    previous = equal_count(problem).assignment([op.op_id for op in problem.ops])
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        solve(problem, previous, eps)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)

@@ -1,0 +1,172 @@
+"""Schedules as data: builders, the validator, in-flight counts and the grid."""
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+import pipeline.schedule as schedule_module
+from pipeline.schedule import (
+    Action, Schedule, ScheduleError, build, format_grid, forward_only, gpipe, in_flight, max_in_flight,
+    one_f_one_b, validate,
+)
+
+SIZES = list(itertools.product(range(1, 7), range(1, 11)))
+
+
+def _sched(rows: list[str], name: str = "hand", M: int | None = None, training: bool = True) -> Schedule:
+    actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
+    if M is None:
+        M = 1 + max(a.microbatch for row in actions for a in row)
+    return Schedule(name, len(actions), M, actions, training)
+
+
+# ------------------------------------------------------------------------------ actions
+
+
+@pytest.mark.parametrize("text", ["0F0", "1F0", "3B12", "10F7"])
+def test_action_round_trip(text: str) -> None:
+    a = Action.parse(text)
+    assert str(a) == text
+    assert Action.parse(str(a)) == a
+
+
+def test_action_fields() -> None:
+    assert Action.parse("1F0") == Action(1, "F", 0)
+    assert str(Action(2, "B", 5)) == "2B5"
+
+
+@pytest.mark.parametrize("text", ["", "F0", "1X0", "1F", "1f0", "-1F0", "1F0x", 3])
+def test_action_parse_rejects(text: object) -> None:
+    with pytest.raises(ScheduleError, match="1F0"):
+        Action.parse(text)  # type: ignore[arg-type]
+
+
+def test_action_rejects_bad_fields() -> None:
+    with pytest.raises(ScheduleError, match="Action.kind"):
+        Action(0, "W", 0)
+    with pytest.raises(ScheduleError, match="Action.stage"):
+        Action(-1, "F", 0)
+    with pytest.raises(ScheduleError, match="Action.microbatch"):
+        Action(0, "F", True)
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def test_one_f_one_b_literal() -> None:
+    got = [[str(a) for a in row] for row in one_f_one_b(3, 4).actions]
+    assert got == [
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3".split(),
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3".split(),
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3".split(),
+    ]
+
+
+def test_gpipe_literal() -> None:
+    got = [[str(a) for a in row] for row in gpipe(2, 3).actions]
+    assert got == ["0F0 0F1 0F2 0B0 0B1 0B2".split(), "1F0 1F1 1F2 1B0 1B1 1B2".split()]
+
+
+def test_docstring_table_is_the_grid() -> None:
+    doc = schedule_module.__doc__
+    lines = doc.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.strip().startswith("step"))
+    table = "\n".join(line.strip() for line in lines[start:start + 4])
+    assert table == "\n".join(line.strip() for line in format_grid(one_f_one_b(3, 4)).splitlines())
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_builders_validate(P: int, M: int) -> None:
+    for sched in (gpipe(P, M), one_f_one_b(P, M), forward_only(P, M), build("1f1b", P, M), build("gpipe", P, M)):
+        assert validate(sched) is sched
+        for s, row in enumerate(sched.actions):
+            assert all(a.stage == s for a in row)
+            bs = [a.microbatch for a in row if a.kind == "B"]
+            assert bs == sorted(bs)  # gradient accumulation order: ascending on every stage
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_max_in_flight(P: int, M: int) -> None:
+    assert max_in_flight(one_f_one_b(P, M)) == tuple(min(M, P - s) for s in range(P))
+    assert max_in_flight(gpipe(P, M)) == (M,) * P
+    assert max_in_flight(forward_only(P, M)) == (0,) * P
+    for name in ("1f1b", "gpipe"):
+        assert in_flight(name, P, M) == max_in_flight(build(name, P, M))
+
+
+def test_build_rejects_unknown_name() -> None:
+    with pytest.raises(ScheduleError, match=r"\['1f1b', 'gpipe'\].*'zb'"):
+        build("zb", 2, 2)
+    with pytest.raises(ScheduleError, match="num_stages"):
+        build("1f1b", 0, 2)
+    with pytest.raises(ScheduleError, match="num_microbatches"):
+        gpipe(2, 0)
+
+
+def test_schedule_rejects_wrong_row_count() -> None:
+    with pytest.raises(ScheduleError, match="one row per stage"):
+        Schedule("x", 3, 1, ((Action(0, "F", 0),),))
+
+
+# ---------------------------------------------------------------------------- validator
+
+
+def _assert_fails(sched: Schedule, marked: list[str], *words: str) -> str:
+    with pytest.raises(ScheduleError) as info:
+        validate(sched)
+    msg = str(info.value)
+    for s in range(sched.num_stages):
+        assert re.search(rf"^stage {s}\s+\|", msg, re.M), f"grid row for stage {s} missing:\n{msg}"
+    assert sorted(re.findall(r"\[(\d+[FB]\d+)\]", msg)) == sorted(marked), msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_backward_before_forward() -> None:
+    _assert_fails(_sched(["0F0 0B1 0F1 0B0"]), ["0B1"], "runs before 0F1")
+
+
+def test_swapped_activation_receive_order() -> None:
+    _assert_fails(_sched(["0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1"]), ["1F1"], "send order", "activation")
+
+
+def test_swapped_gradient_send_order() -> None:
+    _assert_fails(_sched(["0F0 0F1 0B0 0B1", "1F0 1F1 1B1 1B0"]), ["0B0"], "gradient")
+
+
+def test_descending_backward_order_everywhere() -> None:
+    _assert_fails(_sched(["0F0 0F1 0B1 0B0", "1F0 1F1 1B1 1B0"]), ["0B0"], "ascending")
+
+
+def test_deadlock_cycle() -> None:
+    # stage 0 wants 1B0 before sending 0F1, stage 1 wants 0F1 before running 1B0
+    msg = _assert_fails(_sched(["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"]), ["0B0", "1F1"], "deadlock")
+    assert "0B0 waits for 1B0" in msg and "1F1 waits for 0F1" in msg
+
+
+def test_missing_duplicate_and_misplaced_actions() -> None:
+    _assert_fails(_sched(["0F0 0F1 0B0", "1F0 1F1 1B0 1B1"], M=2), [], "never runs 0B1")
+    _assert_fails(_sched(["0F0 0F0 0B0"]), ["0F0", "0F0"], "more than once")
+    _assert_fails(_sched(["0F0 1F0 0B0", "1B0"]), ["1F0"], "belongs to stage 1")
+    _assert_fails(_sched(["0F0 0F1 0B0 0B1"], M=1), ["0F1"], "out of range")
+    _assert_fails(_sched(["0F0 0B0"], training=False), ["0B0"], "forward-only")
+
+
+def test_valid_hand_schedule_passes() -> None:
+    # a different but legal interleaving: stage 0 runs two forwards ahead, stage 1 does 1F1B
+    sched = _sched(["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"])
+    assert validate(sched) is sched
+    assert max_in_flight(sched) == (3, 1)
+
+
+def test_format_grid_marks_and_aligns() -> None:
+    grid = format_grid(gpipe(2, 2), mark=Action(1, "B", 1))
+    assert grid.splitlines() == [
+        "step    |  0     1     2     3",
+        "stage 0 |  0F0   0F1   0B0   0B1",
+        "stage 1 |  1F0   1F1   1B0  [1B1]",
+    ]
+    assert "[" not in format_grid(gpipe(2, 2))

@@ -1,0 +1,111 @@
+"""The simulator: closed forms for uniform costs, link queueing, slow stages, memory, determinism."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from pipeline.schedule import Action, Schedule, ScheduleError, forward_only, gpipe, max_in_flight, one_f_one_b
+from pipeline.simulate import SimulationError, simulate
+
+SIZES = list(itertools.product(range(1, 7), range(1, 11)))
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_uniform_costs_closed_form(P: int, M: int) -> None:
+    f, b = 1.5, 2.5  # exactly representable: sums are exact
+    for build in (gpipe, one_f_one_b):
+        r = simulate(build(P, M), [f] * P, [b] * P, [0.0] * (P - 1))
+        assert r.step_time == (M + P - 1) * (f + b)
+        assert r.bubble_fraction == pytest.approx((P - 1) / (M + P - 1), abs=1e-12)
+        assert r.busy == (M * (f + b),) * P
+
+
+@pytest.mark.parametrize("P,M", SIZES)
+def test_timeline_respects_dependencies(P: int, M: int) -> None:
+    rng = np.random.default_rng(P * 100 + M)
+    fwd, bwd = rng.uniform(0.5, 2, P), rng.uniform(0.5, 3, P)
+    send, gsend = rng.uniform(0, 1, P - 1), rng.uniform(0, 1, P - 1)
+    for build in (gpipe, one_f_one_b):
+        sched = build(P, M)
+        r = simulate(sched, fwd, bwd, send, grad_send_time=gsend)
+        span = {sp.action: sp for row in r.timeline for sp in row}
+        for s, row in enumerate(r.timeline):
+            assert [sp.action for sp in row] == list(sched.actions[s])
+            for prev, sp in zip(row, row[1:]):
+                assert sp.start >= prev.end  # one action at a time, in order
+            for sp in row:
+                a = sp.action
+                assert sp.end - sp.start == pytest.approx(fwd[s] if a.kind == "F" else bwd[s])
+                if a.kind == "F" and s > 0:
+                    assert sp.start >= span[Action(s - 1, "F", a.microbatch)].end + send[s - 1] - 1e-12
+                if a.kind == "B" and s < P - 1:
+                    assert sp.start >= span[Action(s + 1, "B", a.microbatch)].end + gsend[s] - 1e-12
+        assert r.step_time == max(sp.end for row in r.timeline for sp in row)
+        assert r.bubble_fraction == pytest.approx(1 - sum(r.busy) / (P * r.step_time))
+        assert r.peak_in_flight == max_in_flight(sched)
+
+
+def test_transfer_latency_two_stages() -> None:
+    f, b, t = 1.0, 2.0, 0.25
+    r = simulate(gpipe(2, 1), [f, f], [b, b], [t])
+    assert r.step_time == 2 * f + 2 * b + 2 * t
+    r = simulate(gpipe(2, 1), [f, f], [b, b], [t], grad_send_time=[1.0])
+    assert r.step_time == 2 * f + 2 * b + t + 1.0
+
+
+def test_link_is_a_fifo_resource() -> None:
+    # stage 0 forwards instantly; each activation occupies the link for 1.0, so they arrive at 1, 2, 3
+    r = simulate(forward_only(2, 3), [0.0, 0.1], [0.0, 0.0], [1.0])
+    starts = [sp.start for sp in r.timeline[1]]
+    assert starts == [1.0, 2.0, 3.0]
+    assert r.step_time == pytest.approx(3.1)
+
+
+def test_zero_compute_is_pure_transfer() -> None:
+    sends = [0.5, 0.25, 1.0]
+    r = simulate(gpipe(4, 1), [0.0] * 4, [0.0] * 4, sends)
+    assert r.step_time == 2 * sum(sends)
+    assert r.bubble_fraction == 1.0  # no stage is ever busy
+    assert r.peak_in_flight == (1, 1, 1, 1)  # zero-length F then B still holds the micro-batch
+
+
+def test_slow_stage_dominates() -> None:
+    P, M = 4, 8
+    fwd, bwd = [1.0, 1.0, 5.0, 1.0], [2.0, 2.0, 10.0, 2.0]
+    for build in (gpipe, one_f_one_b):
+        r = simulate(build(P, M), fwd, bwd, [0.0] * (P - 1))
+        slow = M * (fwd[2] + bwd[2])
+        assert slow <= r.step_time <= slow + sum(f + b for k, (f, b) in enumerate(zip(fwd, bwd)) if k != 2)
+        assert r.busy[2] == slow
+        assert max(r.busy) == r.busy[2]
+
+
+@pytest.mark.parametrize("P,M", [(1, 1), (2, 5), (4, 3), (4, 8), (6, 10)])
+def test_peak_memory(P: int, M: int) -> None:
+    static = [float(10 * (s + 1)) for s in range(P)]
+    act = [3.0] * P
+    r = simulate(one_f_one_b(P, M), [1.0] * P, [2.0] * P, [0.1] * (P - 1), static_bytes=static, act_bytes=act)
+    assert r.peak_memory == tuple(static[s] + min(M, P - s) * 3.0 for s in range(P))
+    r = simulate(gpipe(P, M), [1.0] * P, [2.0] * P, [0.1] * (P - 1), static_bytes=static, act_bytes=act)
+    assert r.peak_memory == tuple(static[s] + M * 3.0 for s in range(P))
+    assert simulate(gpipe(P, M), [1.0] * P, [2.0] * P, [0.1] * (P - 1)).peak_memory is None
+
+
+def test_deterministic() -> None:
+    rng = np.random.default_rng(7)
+    args = (one_f_one_b(5, 7), rng.uniform(0, 1, 5), rng.uniform(0, 2, 5), rng.uniform(0, 0.3, 4))
+    assert simulate(*args) == simulate(*args)
+
+
+def test_rejects_bad_costs_and_schedules() -> None:
+    with pytest.raises(SimulationError, match=r"fwd_time: expected 3 values"):
+        simulate(gpipe(3, 2), [1.0, 1.0], [1.0] * 3, [0.0] * 2)
+    with pytest.raises(SimulationError, match=r"send_time: expected 2 values"):
+        simulate(gpipe(3, 2), [1.0] * 3, [1.0] * 3, [0.0] * 3)
+    with pytest.raises(SimulationError, match=r"bwd_time\[1\]"):
+        simulate(gpipe(3, 2), [1.0] * 3, [1.0, -1.0, 1.0], [0.0] * 2)
+    bad = Schedule("bad", 2, 1, ((Action(0, "B", 0), Action(0, "F", 0)), (Action(1, "F", 0), Action(1, "B", 0))))
+    with pytest.raises(ScheduleError, match=r"\[0B0\]"):
+        simulate(bad, [1.0] * 2, [1.0] * 2, [0.0])
