@@ -1,0 +1,18 @@
+"""Fixtures shared by every test: one CPU thread and seeded global RNGs, so runs repeat exactly."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def deterministic() -> None:
+    """Single-threaded torch and seeded global RNGs (code under test must not rely on them,
+    but a test that draws its data from them repeats exactly)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
