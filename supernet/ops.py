@@ -116,6 +116,6 @@ def run_op(module: nn.Module, inputs: list[torch.Tensor], ctx: OpContext) -> tor
 
 
 def _load_builtins() -> None:
-    # The built-in ops register themselves on import; importing lazily keeps this module
-    # importable on its own and avoids an import cycle with supernet.spaces.
-    from . import builtin_ops  # noqa: F401
+    # The built-in and built-in-space ops register themselves on import; importing lazily
+    # keeps this module importable on its own and avoids an import cycle with supernet.spaces.
+    from . import builtin_ops, spaces  # noqa: F401

@@ -21,9 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 SPACES = {
-    "transformer": dict(layers=4, width=16, candidates=["attn2", "ffn2", "conv3", "identity"], dropout=0.1),
+    "transformer": dict(layers=6, width=32, candidates=["attn2", "ffn4", "conv3", "identity"], dropout=0.1),
     "conv": dict(layers=4, channels=8),
-    "cell": dict(cells=2, channels=4),
+    "cell": dict(cells=3, channels=4),
 }
 
 
