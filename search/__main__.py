@@ -1,0 +1,96 @@
+"""The command line: ``python -m search [hydra overrides]`` (also under torchrun).
+
+Bad input ends with one line, ``error: <what, expected, found>``, on stderr and exit status
+2 (set ``HYDRA_FULL_ERROR=1`` for the traceback). Under torchrun every rank pins the same
+run directory, derived from the overrides, so that a restarted job finds its checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def torchrun_argv(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """``argv`` plus what pins a torchrun job's run directory and quiets ranks other than 0.
+
+    Outside torchrun (no ``WORLD_SIZE``) ``argv`` comes back unchanged.
+    """
+    argv = list(argv)
+    if "WORLD_SIZE" not in env:
+        return argv
+    user = argv[1:]
+    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in user):
+        key = hashlib.sha256("\n".join(sorted(user)).encode()).hexdigest()[:12]
+        argv.append(f"hydra.run.dir=outputs/torchrun/{key}")
+    if env.get("RANK", "0") != "0":
+        # Only rank 0 writes .hydra/ and the log file; the others log to stderr.
+        argv += ["hydra.output_subdir=null", "hydra/job_logging=rank_stderr"]
+    return argv
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
+
+
+def compose_error(overrides: Sequence[str]) -> str | None:
+    """Why the config does not compose with ``overrides`` (one line), or ``None`` if it does.
+
+    Hydra reports composition errors itself, over several lines and with exit status 1; this
+    check lets the CLI report them like every other bad input.
+    """
+    if any(a.startswith("-") for a in overrides):
+        return None  # --help, --cfg, --multirun, ...: Hydra's own business
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="search"):
+            compose("config", overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        return _one_line(str(e)) or type(e).__name__
+    return None
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from .app import run
+
+    try:
+        summary = run(cfg)
+    except ValueError as e:  # the project's bad-input family: ConfigError, SupernetError, ...
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        sys.exit(2)
+    if _is_rank0():
+        best = summary["best"]
+        print(f"best arch: {json.dumps(best['arch'], sort_keys=True)}")
+        print(f"val accuracy: {best['val_accuracy']:.4f} (params {best['params']}, flops {best['flops']})")
+        print(f"output dir: {summary['output_dir']}")
+
+
+def cli() -> None:
+    sys.argv = torchrun_argv(sys.argv, os.environ)
+    problem = compose_error(sys.argv[1:])
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    main()
+
+
+if __name__ == "__main__":
+    cli()

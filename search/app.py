@@ -1,0 +1,255 @@
+"""The search run: train the supernet with sampled archs, then search it with inherited weights.
+
+:func:`run` takes the composed config and returns the summary. It is one code path for one
+process and for many: every rank calls every engine method with the same arguments in the
+same order (training, gathering op states, evaluating candidates), and only the main rank
+writes. Everything that can be wrong with the input is checked before anything is written.
+
+Outputs, in the run directory: ``metrics.jsonl`` (one JSON line per training step),
+``checkpoint.pt`` (see :mod:`search.checkpoint`; a run that finds one there resumes from it)
+and ``summary.json``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+import supernet.spaces  # noqa: F401 - registers the built-in spaces and their ops
+from pipeline import Engine, EvalResult, create_engine, params_digest
+from supernet import Arch, SearchSpace, derive_seed
+
+from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, load_checkpoint,
+                         save_checkpoint)
+from .config import ConfigError, RunConfig, build_data, build_space, config_digest, load_config, train_digest
+from .evolution import SearchResult, SubnetCost, evolution_search, random_search
+from .samplers import Sampler, make_sampler
+
+__all__ = ["run", "METRICS_NAME", "SUMMARY_NAME"]
+
+METRICS_NAME = "metrics.jsonl"
+SUMMARY_NAME = "summary.json"
+
+log = logging.getLogger(__name__)
+
+
+class _RankLog(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank']}] {msg}", kwargs
+
+
+def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None) -> dict[str, Any]:
+    """Train, checkpoint and search as ``cfg`` says; returns the summary (on every rank; only
+    the main rank has ``params_digest`` and the losses). ``output_dir`` overrides the config's
+    ``output_dir`` and Hydra's run directory."""
+    t_start = time.perf_counter()
+    rc = load_config(cfg)
+    if rc.threads is not None:
+        torch.set_num_threads(rc.threads)
+    out = _output_dir(output_dir if output_dir is not None else rc.output_dir)
+    digest, tdigest = config_digest(cfg), train_digest(cfg)
+
+    # -- everything that can be wrong with the input fails here, before anything is written
+    data = build_data(rc.data)
+    data.train_batch(0, rc.train.batch_size)  # checks the batch size against the data
+    graph = build_space(rc.space, data.input_shape, data.num_classes)
+    space = graph.space()
+    seed_archs = [space.validate(a, f"search.seed_archs[{i}]") for i, a in enumerate(rc.search.seed_archs)]
+    sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"))
+    ckpt_path = out / CHECKPOINT_NAME
+    ckpt = load_checkpoint(ckpt_path) if rc.resume else None
+    if ckpt is not None:
+        _check_resumable(ckpt, ckpt_path, tdigest, rc)
+
+    engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
+                           rc.pipeline, rc.device)
+    rlog = _RankLog(log, {"rank": engine.rank})
+    try:
+        start = 0
+        if ckpt is not None:
+            engine.load_op_states(ckpt.op_states)
+            sampler.load_state_dict(ckpt.sampler)
+            start = ckpt.step
+            rlog.info("resuming from %s at step %d", ckpt_path, start)
+        losses = _open_metrics(out / METRICS_NAME, start) if engine.is_main else []
+        t0 = time.perf_counter()
+        states = _train(rc, engine, sampler, data, out, start, losses, digest, tdigest, rlog)
+        train_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        cost = SubnetCost(graph, data.input_shape, rc.seed)
+        result, evals = _search(rc, engine, space, data, cost, seed_archs)
+        search_s = time.perf_counter() - t0
+    finally:
+        engine.close()
+
+    top = [_entry(c.arch, evals[c.arch], cost) for c in result.top]
+    summary: dict[str, Any] = {
+        "config_digest": digest,
+        "steps": rc.train.steps,
+        "resumed_from_step": start,
+        "final_loss": losses[-1] if losses else None,
+        "mean_loss_last10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "best": top[0],
+        "top_k": top,
+        "search": {"algorithm": rc.search.algorithm, "evaluated": result.evaluated,
+                   "best_per_generation": list(result.history)},
+        "params_digest": params_digest(states) if states is not None else None,
+        "world_size": engine.world_size,
+        "space_size": space.size(),
+        "train_time_s": round(train_s, 3),
+        "search_time_s": round(search_s, 3),
+        "wall_time_s": round(time.perf_counter() - t_start, 3),
+        "output_dir": str(out),
+    }
+    if engine.is_main:
+        atomic_write_text(out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
+        rlog.info("best arch %s: val accuracy %.4f", summary["best"]["arch"], summary["best"]["val_accuracy"])
+    return summary
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+def _output_dir(explicit: str | Path | None) -> Path:
+    if explicit is not None:
+        return Path(explicit)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        raise ConfigError(
+            "output_dir: expected a directory; not running under @hydra.main, so set output_dir "
+            "in the config or pass run(cfg, output_dir=...)"
+        ) from None
+
+
+def _check_resumable(ckpt: Checkpoint, path: Path, tdigest: str, rc: RunConfig) -> None:
+    if ckpt.train_digest != tdigest:
+        raise CheckpointError(
+            f"checkpoint {path}: written by a run with other training settings (train digest "
+            f"{ckpt.train_digest[:12]}, this run {tdigest[:12]}); use another run directory, "
+            "the same seed/space/sampler/data/train config, or resume=false to start afresh"
+        )
+    if not 0 <= ckpt.step <= rc.train.steps:
+        raise CheckpointError(f"checkpoint {path}: expected a step in [0, {rc.train.steps}], found {ckpt.step}")
+
+
+def _open_metrics(path: Path, start: int) -> list[float]:
+    """Keep the metric lines of steps before ``start`` (a run that died after its last
+    checkpoint logged steps that will run again) and return their losses."""
+    kept: list[str] = []
+    losses: list[float] = []
+    if start > 0 and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < start:
+                kept.append(line)
+                losses.append(float(rec["loss"]))
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return losses
+
+
+def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path, start: int,
+           losses: list[float], digest: str, tdigest: str, rlog: logging.LoggerAdapter) -> Any:
+    """Train from step ``start``; checkpoints on the way and at the end. Returns the final op
+    states (main rank; ``None`` elsewhere)."""
+    t = rc.train
+    schedule = t.schedule()
+
+    def checkpoint(step: int) -> Any:
+        states = engine.op_states()  # collective: every rank takes part, the main rank gets them
+        if engine.is_main:
+            save_checkpoint(out / CHECKPOINT_NAME,
+                            Checkpoint(step, states, sampler.state_dict(), tdigest, digest))
+        return states
+
+    bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
+               disable=not engine.is_main, dynamic_ncols=True, leave=False)
+    metrics = (out / METRICS_NAME).open("a") if engine.is_main else None
+    try:
+        for step in range(start, t.steps):
+            arch = sampler.next()
+            x, y = data.train_batch(step, t.batch_size)
+            res = engine.train_step(step, arch, x, y)
+            if engine.is_main:
+                finite = math.isfinite(res.loss)
+                if not finite and all(math.isfinite(v) for v in losses):
+                    rlog.warning("step %d: the loss is %s; lower train.optimizer.lr or add warmup_steps",
+                                 step, res.loss)
+                losses.append(res.loss)
+                metrics.write(json.dumps({
+                    "step": step, "arch": dict(arch), "loss": res.loss if finite else None, "lr": schedule(step),
+                    "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
+                    "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
+                }) + "\n")
+                metrics.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
+                if (step + 1) % t.log_every == 0:
+                    recent = losses[-t.log_every:]
+                    rlog.info("step %d/%d: loss %.4f (mean of last %d), lr %.4g", step + 1, t.steps,
+                              sum(recent) / len(recent), len(recent), schedule(step))
+            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                checkpoint(step + 1)
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    if start < t.steps:
+        return checkpoint(t.steps)
+    return engine.op_states()  # nothing trained: the checkpoint already holds these states
+
+
+def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: SubnetCost,
+            seed_archs: list[Arch]) -> tuple[SearchResult, dict[Arch, EvalResult]]:
+    """Score subnets with inherited weights (BN recalibrated per subnet) by evolution or at
+    random. Every rank runs this identically: the engine returns the same scores everywhere."""
+    s = rc.search
+    val = data.val_batches(s.val_batch_size)
+    calib = data.calib_batches(s.bn_calib_batches, s.calib_batch_size)
+    evals: dict[Arch, EvalResult] = {}
+    bar = tqdm(total=s.budget, desc=f"search ({s.algorithm})", unit="arch", file=sys.stderr,
+               disable=not engine.is_main, dynamic_ncols=True, leave=False)
+
+    def scorer(arch: Arch) -> float:
+        evals[arch] = engine.evaluate(arch, val, calib)
+        bar.update(1)
+        return evals[arch].accuracy
+
+    rng = random.Random(derive_seed(rc.seed, "search"))
+    constraint = s.constraints.check(cost)
+    common: dict[str, Callable | Any] = {"top_k": s.top_k, "constraint": constraint, "seed_archs": seed_archs}
+    try:
+        if s.algorithm == "evolution":
+            result = evolution_search(space, scorer, rng, population=s.population, generations=s.generations,
+                                      mutate_prob=s.mutate_prob, crossover_prob=s.crossover_prob,
+                                      parents=s.parents, **common)
+        else:
+            result = random_search(space, scorer, rng, budget=s.budget, **common)
+    finally:
+        bar.close()
+    return result, evals
+
+
+def _entry(arch: Arch, ev: EvalResult, cost: SubnetCost) -> dict[str, Any]:
+    try:
+        flops: int | None = cost.flops(arch)
+    except Exception as e:  # FLOPs are informational here; a space may have ops torch cannot count
+        log.warning("cannot count the FLOPs of %s: %s", arch, e)
+        flops = None
+    return {"arch": dict(arch), "val_accuracy": ev.accuracy, "val_loss": ev.loss,
+            "params": cost.params(arch), "flops": flops}

@@ -1,0 +1,412 @@
+"""The run configuration: one frozen dataclass per config group, validated from the DictConfig.
+
+``load_config(cfg)`` reads the composed Hydra config (``conf/config.yaml`` and its groups)
+into a :class:`RunConfig` and raises :class:`ConfigError` naming the field, what was expected
+and what was found (``train.microbatches: expected a divisor of train.batch_size (64), found
+3``). The ``space`` and ``data`` groups name a ``_target_`` (any importable callable) and its
+options; :func:`build_space` and :func:`build_data` instantiate them and turn import errors,
+unknown options and bad values into the same one-line errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import LrSchedule, OptimConfig, PipelineSettings
+from supernet import SupernetError, SupernetGraph, build_op
+
+from .data import Dataset
+from .evolution import Constraints
+from .samplers import SAMPLERS
+
+__all__ = [
+    "ConfigError", "TargetConfig", "TrainConfig", "SamplerConfig", "SearchConfig", "RunConfig",
+    "load_config", "build_space", "build_data", "config_digest", "train_digest",
+]
+
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
+ALGORITHMS = ("evolution", "random")
+_HYDRA_KEYS = ("_target_", "_args_", "_recursive_", "_convert_", "_partial_")
+
+
+class ConfigError(ValueError):
+    """The config is malformed: a field is missing, unknown, of the wrong type or out of range."""
+
+
+# -- the groups ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """A group that names a callable: ``space`` and ``data``."""
+
+    group: str
+    target: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    batch_size: int
+    microbatches: int
+    optimizer: OptimConfig
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    checkpoint_every: int = 0  # 0: only at the end
+    log_every: int = 50
+
+    def schedule(self) -> LrSchedule:
+        return LrSchedule(self.optimizer.lr, self.steps, self.lr_schedule, self.warmup_steps, self.min_lr)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    name: str
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    algorithm: str
+    population: int
+    generations: int
+    mutate_prob: float
+    crossover_prob: float
+    parents: int | None
+    top_k: int
+    constraints: Constraints
+    val_batch_size: int
+    bn_calib_batches: int
+    calib_batch_size: int
+    seed_archs: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def budget(self) -> int:
+        """Distinct archs scored: the same for evolution and its random-search baseline."""
+        return self.population * self.generations
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    device: str
+    threads: int | None
+    output_dir: str | None
+    resume: bool
+    space: TargetConfig
+    data: TargetConfig
+    sampler: SamplerConfig
+    train: TrainConfig
+    search: SearchConfig
+    pipeline: PipelineSettings
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _type_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+class _Group:
+    """Typed reads from one mapping; remembers what was read so leftovers can be reported."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of fields, found {_type_name(data)} {data!r}")
+        self.data, self.path, self.read = data, path, set()
+
+    def _get(self, key: str, default: Any) -> Any:
+        self.read.add(key)
+        if key in self.data:
+            return self.data[key]
+        if default is _MISSING:
+            raise ConfigError(f"{self.path}.{key}: missing; this field is required")
+        return default
+
+    def fail(self, key: str, expected: str, found: Any) -> ConfigError:
+        return ConfigError(f"{self.path}.{key}: expected {expected}, found {found!r}")
+
+    def int(self, key: str, default: Any = _MISSING, minimum: int | None = None, optional: bool = False) -> Any:
+        v = self._get(key, default)
+        if v is None and optional:
+            return None
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool) or (minimum is not None and v < minimum):
+            what = "an integer" + (f" >= {minimum}" if minimum is not None else "") + (" or null" if optional else "")
+            raise self.fail(key, what, v)
+        return v
+
+    def float(self, key: str, default: Any = _MISSING, lo: float | None = None, hi: float | None = None,
+              positive: bool = False) -> float:
+        v = self._get(key, default)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (lo is None or v >= lo) and (hi is None or v <= hi) and (not positive or v > 0)
+        if not ok:
+            if positive:
+                what = "a positive number"
+            elif lo is not None and hi is not None:
+                what = f"a number in [{lo}, {hi}]"
+            else:
+                what = "a number" + (f" >= {lo}" if lo is not None else "")
+            raise self.fail(key, what, v)
+        return float(v)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        v = self._get(key, default)
+        if not isinstance(v, bool):
+            raise self.fail(key, "true or false", v)
+        return v
+
+    def choice(self, key: str, options: Sequence[str], default: Any = _MISSING) -> str:
+        v = self._get(key, default)
+        if v not in options:
+            raise self.fail(key, f"one of {list(options)}", v)
+        return v
+
+    def str(self, key: str, default: Any = _MISSING, optional: bool = False) -> Any:
+        v = self._get(key, default)
+        if v is None and optional:
+            return None
+        if not isinstance(v, str) or not v:
+            raise self.fail(key, "a non-empty string" + (" or null" if optional else ""), v)
+        return v
+
+    def group(self, key: str, default: Any = _MISSING) -> _Group:
+        return _Group(self._get(key, default), f"{self.path}.{key}" if self.path else key)
+
+    def done(self, ignore: Sequence[str] = ()) -> None:
+        extra = sorted(k for k in self.data if k not in self.read and k not in ignore)
+        if extra:
+            known = sorted(self.read)
+            raise ConfigError(f"{self.path + '.' if self.path else ''}{extra[0]}: unknown field; expected one of {known}")
+
+
+def _to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(cfg, DictConfig):
+        try:
+            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+        except Exception as e:  # interpolation errors name the key themselves
+            raise ConfigError(f"config: cannot resolve it: {_one_line(str(e))}") from None
+    return dict(cfg)
+
+
+def _target(root: _Group, group: str) -> TargetConfig:
+    g = root.group(group)
+    target = g.data.get("_target_")
+    if not isinstance(target, str) or not target:
+        raise ConfigError(
+            f"{group}._target_: expected a dotted path to a callable (e.g. "
+            f"{'supernet.spaces.conv.build' if group == 'space' else 'search.data.Digits'}), found {target!r}"
+        )
+    for key in ("_args_", "_partial_"):
+        if key in g.data:
+            raise ConfigError(f"{group}.{key}: not supported here; give options by name")
+    options = {k: v for k, v in g.data.items() if k not in _HYDRA_KEYS}
+    return TargetConfig(group, target, options)
+
+
+def _train(root: _Group) -> TrainConfig:
+    g = root.group("train")
+    steps = g.int("steps", minimum=1)
+    batch = g.int("batch_size", minimum=1)
+    micro = g.int("microbatches", minimum=1)
+    if batch % micro:
+        raise ConfigError(f"train.microbatches: expected a divisor of train.batch_size ({batch}), found {micro}")
+    o = g.group("optimizer")
+    name = o.choice("name", OPTIMIZERS)
+    betas = o._get("betas", [0.9, 0.999])
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        raise o.fail("betas", "two numbers in [0, 1)", betas)
+    optim = OptimConfig(
+        name=name, lr=o.float("lr", positive=True), momentum=o.float("momentum", 0.9, 0.0, 1.0),
+        weight_decay=o.float("weight_decay", 0.0, lo=0.0), betas=(float(betas[0]), float(betas[1])),
+        eps=o.float("eps", 1e-8, positive=True), nesterov=o.bool("nesterov", False),
+    )
+    if optim.nesterov and name == "sgd" and optim.momentum == 0:
+        raise ConfigError("train.optimizer.nesterov: expected false when momentum is 0 (torch requires momentum > 0)")
+    o.done()
+    warmup = g.int("warmup_steps", 0, minimum=0)
+    if warmup > steps:
+        raise ConfigError(f"train.warmup_steps: expected at most train.steps ({steps}), found {warmup}")
+    cfg = TrainConfig(
+        steps=steps, batch_size=batch, microbatches=micro, optimizer=optim,
+        lr_schedule=g.choice("lr_schedule", LR_SCHEDULES, "cosine"), warmup_steps=warmup,
+        min_lr=g.float("min_lr", 0.0, lo=0.0), checkpoint_every=g.int("checkpoint_every", 0, minimum=0),
+        log_every=g.int("log_every", 50, minimum=1),
+    )
+    g.done()
+    return cfg
+
+
+def _search(root: _Group) -> SearchConfig:
+    g = root.group("search")
+    c = g.group("constraints", {})
+    constraints = Constraints(c.int("max_params", None, minimum=1, optional=True),
+                              c.int("max_flops", None, minimum=1, optional=True))
+    c.done()
+    seed_archs = g._get("seed_archs", [])
+    if not isinstance(seed_archs, list):
+        raise g.fail("seed_archs", "a list of archs (label -> value mappings)", seed_archs)
+    for i, a in enumerate(seed_archs):
+        if not isinstance(a, Mapping):
+            raise ConfigError(f"search.seed_archs[{i}]: expected a mapping label -> value, found {a!r}")
+    cfg = SearchConfig(
+        algorithm=g.choice("algorithm", ALGORITHMS), population=g.int("population", minimum=2),
+        generations=g.int("generations", minimum=1), mutate_prob=g.float("mutate_prob", 0.1, 0.0, 1.0),
+        crossover_prob=g.float("crossover_prob", 0.5, 0.0, 1.0),
+        parents=g.int("parents", None, minimum=1, optional=True), top_k=g.int("top_k", 5, minimum=1),
+        constraints=constraints, val_batch_size=g.int("val_batch_size", 256, minimum=1),
+        bn_calib_batches=g.int("bn_calib_batches", 4, minimum=0),
+        calib_batch_size=g.int("calib_batch_size", 64, minimum=1),
+        seed_archs=tuple(dict(a) for a in seed_archs),
+    )
+    g.done()
+    return cfg
+
+
+def _pipeline(root: _Group) -> PipelineSettings:
+    g = root.group("pipeline")
+    names = [f.name for f in dataclasses.fields(PipelineSettings)]
+    for k in g.data:
+        if k not in names:
+            raise ConfigError(f"pipeline.{k}: unknown field; expected one of {names}")
+    try:
+        return PipelineSettings(**g.data)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(_one_line(str(e))) from None
+
+
+def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
+    """Validate the composed config and read it into a :class:`RunConfig`."""
+    root = _Group(_to_container(cfg), "")
+    device = root.str("device", "auto")
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise root.fail("device", "'auto', 'cpu', 'cuda' or 'cuda:<index>'", device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {device!r} was asked for but torch sees no CUDA device; use device=auto or cpu")
+    seed = root.int("seed", minimum=0)
+    threads = root.int("threads", None, minimum=1, optional=True)
+    output_dir = root.str("output_dir", None, optional=True)
+    resume = root.bool("resume", True)
+    space, data = _target(root, "space"), _target(root, "data")
+    g = root.group("sampler")
+    sampler = SamplerConfig(g.choice("name", sorted(SAMPLERS)))
+    g.done()
+    run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
+                    space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),
+                    pipeline=_pipeline(root))
+    root.done(ignore=("hydra",))
+    return run
+
+
+# -- instantiating targets -------------------------------------------------------------------
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+
+
+def _instantiate(tc: TargetConfig, provided: Mapping[str, Any]) -> Any:
+    """Call ``tc.target(**tc.options, **provided)`` through Hydra, with one-line errors."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import get_object, instantiate
+
+    where = f"{tc.group}._target_"
+    try:
+        fn = get_object(tc.target)
+    except Exception as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"{where}: cannot import {tc.target!r} ({_one_line(str(cause)) or type(cause).__name__})") from None
+    if not callable(fn):
+        raise ConfigError(f"{where}: expected a callable, found {type(fn).__name__} at {tc.target!r}")
+    for key in provided:
+        if key in tc.options:
+            raise ConfigError(f"{tc.group}.{key}: set by the run itself (from the data); remove it from the config")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        accepted = [n for n, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for key in tc.options:
+            if key not in accepted:
+                options = sorted(set(accepted) - set(provided))
+                raise ConfigError(f"{tc.group}.{key}: unknown option for {tc.target}; it accepts {options}")
+        for name, p in sig.parameters.items():
+            required = p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            if required and name not in tc.options and name not in provided:
+                raise ConfigError(f"{tc.group}.{name}: missing; {tc.target} requires it")
+    node = OmegaConf.create({"_target_": tc.target, "_convert_": "all", **tc.options})
+    try:
+        return instantiate(node, **provided)
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        if isinstance(cause, (ValueError, TypeError, KeyError)):
+            raise ConfigError(f"{tc.group} ({tc.target}): {_one_line(str(cause))}") from None
+        raise
+
+
+def build_data(tc: TargetConfig) -> Dataset:
+    """Instantiate the dataset and check that it offers what training and search use."""
+    data = _instantiate(tc, {})
+    missing = [m for m in ("input_shape", "num_classes", "train_batch", "val_batches", "calib_batches")
+               if not hasattr(data, m)]
+    if missing:
+        raise ConfigError(
+            f"data._target_: {tc.target} returned a {type(data).__name__} without {missing}; "
+            "a dataset offers input_shape, num_classes, train_batch, val_batches and calib_batches"
+        )
+    return data
+
+
+def build_space(tc: TargetConfig, input_shape: Sequence[int], num_classes: int) -> SupernetGraph:
+    """Instantiate the space's graph for the data's shapes and check every op can be built."""
+    graph = _instantiate(tc, {"input_shape": tuple(input_shape), "num_classes": int(num_classes)})
+    if not isinstance(graph, SupernetGraph):
+        raise ConfigError(f"space._target_: {tc.target} returned {type(graph).__name__}, expected a supernet.SupernetGraph")
+    try:
+        graph.output  # noqa: B018 - checks there is exactly one output node
+        if len(graph.space()) == 0:
+            raise ConfigError(f"space ({tc.target}): the supernet has no choice slots; there is nothing to search")
+        with torch.device("meta"):  # catches unknown ops and bad op arguments without allocating
+            for slot in graph.slots():
+                build_op(slot.spec, slot.op_id, 0)
+    except SupernetError as e:
+        raise ConfigError(f"space ({tc.target}): {_one_line(str(e))}") from None
+    return graph
+
+
+# -- digests ---------------------------------------------------------------------------------
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(data)).encode()).hexdigest()
+
+
+def config_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
+    """sha256 of the resolved config as YAML (Hydra's own settings left out)."""
+    data = _to_container(cfg)
+    data.pop("hydra", None)
+    return _digest(data)
+
+
+def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
+    """sha256 over the fields that decide what training computes (seed, space, sampler, data,
+    train but its logging and checkpoint cadence). A checkpoint resumes only a run with the
+    same digest; search settings, threads, pipeline layout and paths may change."""
+    data = _to_container(cfg)
+    train = {k: v for k, v in data.get("train", {}).items() if k not in ("checkpoint_every", "log_every")}
+    return _digest({"seed": data.get("seed"), "space": data.get("space"), "sampler": data.get("sampler"),
+                    "data": data.get("data"), "train": train})

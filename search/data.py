@@ -1,0 +1,149 @@
+"""Datasets for supernet training and search: digits, synthetic, and the dataset protocol.
+
+A dataset offers ``input_shape`` (one sample), ``num_classes``, ``train_batch(step,
+batch_size)`` — a pure function of ``(seed, step)``: each epoch is a permutation seeded by
+``(seed, epoch)``, so a resumed run sees the same batches — ``val_batches(batch_size)`` and
+``calib_batches(n, batch_size)`` (training samples for batch-norm recalibration, fixed by the
+seed). Any object with these members works; select one with ``_target_`` in the data config.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from supernet import derive_seed
+
+__all__ = ["Dataset", "DataError", "ArrayDataset", "Digits", "Synthetic"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class DataError(ValueError):
+    """A dataset was configured or asked for with bad input."""
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def train_batch(self, step: int, batch_size: int) -> Batch: ...
+
+    def val_batches(self, batch_size: int) -> list[Batch]: ...
+
+    def calib_batches(self, n: int, batch_size: int) -> list[Batch]: ...
+
+
+class ArrayDataset:
+    """In-memory train and validation tensors with seeded, epoch-wise batching.
+
+    ``x_*`` are float32 ``(N, *input_shape)``, ``y_*`` int64 ``(N,)`` class indices.
+    """
+
+    def __init__(self, x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor,
+                 y_val: torch.Tensor, num_classes: int, seed: int = 0) -> None:
+        if x_train.shape[0] != y_train.shape[0] or x_val.shape[0] != y_val.shape[0]:
+            raise DataError(
+                f"data: inputs and labels differ in length: train {x_train.shape[0]} vs {y_train.shape[0]}, "
+                f"val {x_val.shape[0]} vs {y_val.shape[0]}"
+            )
+        if x_train.shape[0] == 0 or x_val.shape[0] == 0:
+            raise DataError(f"data: expected non-empty train and val sets, found {x_train.shape[0]} and {x_val.shape[0]}")
+        self.x_train, self.y_train = x_train.float().contiguous(), y_train.long().contiguous()
+        self.x_val, self.y_val = x_val.float().contiguous(), y_val.long().contiguous()
+        self.input_shape: tuple[int, ...] = tuple(int(d) for d in x_train.shape[1:])
+        self.num_classes = int(num_classes)
+        self.seed = int(seed)
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def train_size(self) -> int:
+        return int(self.x_train.shape[0])
+
+    @property
+    def val_size(self) -> int:
+        return int(self.x_val.shape[0])
+
+    @staticmethod
+    def _check_batch(batch_size: int, n: int | None, field: str) -> None:
+        ok = isinstance(batch_size, int) and batch_size >= 1 and (n is None or batch_size <= n)
+        if not ok:
+            bound = "a positive integer" if n is None else f"an integer between 1 and {n} (the training set size)"
+            raise DataError(f"{field}: expected {bound}, found {batch_size!r}")
+
+    def _epoch_perm(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "epoch", epoch))
+            self._perm = (epoch, torch.randperm(self.train_size, generator=g))
+        return self._perm[1]
+
+    def train_batch(self, step: int, batch_size: int) -> Batch:
+        """Batch ``step``: epochs of ``train_size // batch_size`` batches (the rest dropped)."""
+        self._check_batch(batch_size, self.train_size, "train.batch_size")
+        per_epoch = self.train_size // batch_size
+        epoch, i = divmod(step, per_epoch)
+        idx = self._epoch_perm(epoch)[i * batch_size : (i + 1) * batch_size]
+        return self.x_train[idx], self.y_train[idx]
+
+    def val_batches(self, batch_size: int) -> list[Batch]:
+        """The whole validation set in order; the last batch may be smaller."""
+        self._check_batch(batch_size, None, "search.val_batch_size")
+        return [(self.x_val[i : i + batch_size], self.y_val[i : i + batch_size])
+                for i in range(0, self.val_size, batch_size)]
+
+    def calib_batches(self, n: int, batch_size: int) -> list[Batch]:
+        """``n`` batches of training samples for batch-norm recalibration, fixed by the seed."""
+        if n <= 0:
+            return []
+        self._check_batch(batch_size, self.train_size, "search.calib_batch_size")
+        g = torch.Generator().manual_seed(derive_seed(self.seed, "calib"))
+        reps = math.ceil(n * batch_size / self.train_size)
+        idx = torch.cat([torch.randperm(self.train_size, generator=g) for _ in range(reps)])
+        return [(self.x_train[idx[i * batch_size : (i + 1) * batch_size]],
+                 self.y_train[idx[i * batch_size : (i + 1) * batch_size]]) for i in range(n)]
+
+
+class Digits(ArrayDataset):
+    """scikit-learn's 8x8 handwritten digits (1797 images, 10 classes; ships with
+    scikit-learn, no download), as ``(N, 1, 8, 8)`` float32 scaled to [0, 1] then normalized
+    by the training set's mean and std, with a fixed stratified train/validation split."""
+
+    def __init__(self, seed: int = 0, val_fraction: float = 0.2, split_seed: int = 0) -> None:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        if not 0.0 < val_fraction < 1.0:
+            raise DataError(f"data.val_fraction: expected a number in (0, 1), found {val_fraction!r}")
+        digits = load_digits()
+        x = (digits.images.astype(np.float32) / 16.0)[:, None]  # (N, 1, 8, 8)
+        y = digits.target.astype(np.int64)
+        x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=val_fraction, random_state=split_seed, stratify=y)
+        mean, std = float(x_tr.mean()), float(x_tr.std())
+        super().__init__(torch.from_numpy((x_tr - mean) / std), torch.from_numpy(y_tr),
+                         torch.from_numpy((x_va - mean) / std), torch.from_numpy(y_va), 10, seed)
+
+
+class Synthetic(ArrayDataset):
+    """Gaussian inputs of any shape, labelled by a fixed random linear teacher (so a model can
+    learn them); for benchmarks. ``teacher_seed`` fixes the data, ``seed`` the batch order."""
+
+    def __init__(self, input_shape: Sequence[int] = (1, 8, 8), num_classes: int = 10, size: int = 2048,
+                 val_size: int = 512, seed: int = 0, teacher_seed: int = 0) -> None:
+        shape = tuple(input_shape)
+        if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+            raise DataError(f"data.input_shape: expected a list of positive integers, found {list(shape)}")
+        if not isinstance(num_classes, int) or num_classes < 2:
+            raise DataError(f"data.num_classes: expected an integer >= 2, found {num_classes!r}")
+        for name, n in (("size", size), ("val_size", val_size)):
+            if not isinstance(n, int) or n < 1:
+                raise DataError(f"data.{name}: expected a positive integer, found {n!r}")
+        g = torch.Generator().manual_seed(derive_seed(teacher_seed, "synthetic"))
+        x = torch.randn((size + val_size, *shape), generator=g)
+        d = math.prod(shape)
+        teacher = torch.randn(d, num_classes, generator=g) / math.sqrt(d)
+        y = (x.flatten(1) @ teacher).argmax(-1)
+        super().__init__(x[:size], y[:size], x[size:], y[size:], num_classes, seed)

@@ -1,0 +1,148 @@
+"""Architecture samplers for supernet training: deterministic streams with lookahead.
+
+A sampler is built from ``(space, seed)`` and yields one :class:`supernet.Arch` per training
+step. ``next()`` consumes an arch, ``peek(k)`` returns the next ``k`` without consuming them
+(a pipeline planner may want to see what comes), and the stream depends on the seed alone.
+``state_dict()`` stores how many archs were consumed; ``load_state_dict()`` rebuilds the
+stream from the seed and replays that many, which is always right and cheap.
+
+* ``uniform`` — single-path one-shot (SPOS): every label drawn uniformly and independently.
+* ``fair`` — strict fairness (FairNAS): archs come in rounds of ``n`` (the largest number of
+  values of any label); within a round every value of a label with ``n`` values is used
+  exactly once. A label with fewer values draws from back-to-back shuffled passes over its
+  values, so its counts never differ by more than one and are equal after every full pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import deque
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
+
+from supernet import Arch, SearchSpace
+
+__all__ = ["Sampler", "UniformSampler", "FairSampler", "SamplerError", "SAMPLERS", "make_sampler"]
+
+
+class SamplerError(ValueError):
+    """A sampler was built or restored with bad input."""
+
+
+class Sampler:
+    """A deterministic arch stream with lookahead. Subclasses define :meth:`_stream`."""
+
+    kind = "base"
+
+    def __init__(self, space: SearchSpace, seed: int) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise SamplerError(f"sampler seed: expected an integer, found {seed!r}")
+        if len(space) == 0:
+            raise SamplerError("sampler: the search space has no choices; there is nothing to sample")
+        self.space = space
+        self.seed = seed
+        self._reset()
+
+    def _reset(self) -> None:
+        self._it: Iterator[Arch] = self._stream(random.Random(self.seed))
+        self._buffer: deque[Arch] = deque()
+        self._consumed = 0
+
+    def _stream(self, rng: random.Random) -> Iterator[Arch]:
+        raise NotImplementedError
+
+    @property
+    def consumed(self) -> int:
+        """How many archs ``next()`` has returned since the start of the stream."""
+        return self._consumed
+
+    def next(self) -> Arch:
+        arch = self._buffer.popleft() if self._buffer else next(self._it)
+        self._consumed += 1
+        return arch
+
+    def __iter__(self) -> Iterator[Arch]:
+        while True:
+            yield self.next()
+
+    def peek(self, k: int = 1) -> list[Arch]:
+        """The next ``k`` archs, exactly what ``next()`` will return, without consuming them."""
+        if k < 0:
+            raise SamplerError(f"sampler peek: expected k >= 0, found {k}")
+        while len(self._buffer) < k:
+            self._buffer.append(next(self._it))
+        return list(self._buffer)[:k]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seed": self.seed, "space": space_digest(self.space), "consumed": self._consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a stream position saved by :meth:`state_dict` (replays from the seed)."""
+        for key, mine in (("kind", self.kind), ("seed", self.seed), ("space", space_digest(self.space))):
+            if state.get(key) != mine:
+                raise SamplerError(
+                    f"sampler state: saved {key} is {state.get(key)!r} but this sampler has {mine!r}; "
+                    "a checkpoint can only resume the run (sampler, seed, space) that wrote it"
+                )
+        consumed = state.get("consumed")
+        if not isinstance(consumed, int) or consumed < 0:
+            raise SamplerError(f"sampler state: expected consumed >= 0, found {consumed!r}")
+        self._reset()
+        for _ in range(consumed):
+            self.next()
+
+
+class UniformSampler(Sampler):
+    """Single-path uniform sampling (SPOS)."""
+
+    kind = "uniform"
+
+    def _stream(self, rng: random.Random) -> Iterator[Arch]:
+        while True:
+            yield self.space.random(rng)
+
+
+class FairSampler(Sampler):
+    """Strict-fair sampling (FairNAS), see the module docstring."""
+
+    kind = "fair"
+
+    @property
+    def round_size(self) -> int:
+        return max(len(c.values) for c in self.space.choices)
+
+    def _stream(self, rng: random.Random) -> Iterator[Arch]:
+        n = self.round_size
+        passes = {c.label: _passes(c.values, rng) for c in self.space.choices}
+        while True:
+            # Labels are drawn in space order, one round at a time, so the stream is a pure
+            # function of the seed whatever the consumer's peeking pattern.
+            columns = {label: [next(it) for _ in range(n)] for label, it in passes.items()}
+            for i in range(n):
+                yield Arch({label: col[i] for label, col in columns.items()})
+
+
+def _passes(values: tuple[Hashable, ...], rng: random.Random) -> Iterator[Hashable]:
+    """Back-to-back shuffled passes over ``values``: each value once per pass."""
+    while True:
+        order = list(values)
+        rng.shuffle(order)
+        yield from order
+
+
+def space_digest(space: SearchSpace) -> str:
+    """A short hash of the space's labels and values, to match a saved state to its space."""
+    text = json.dumps([[c.label, list(c.values)] for c in space.choices], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+SAMPLERS: dict[str, type[Sampler]] = {"uniform": UniformSampler, "fair": FairSampler}
+
+
+def make_sampler(name: str, space: SearchSpace, seed: int) -> Sampler:
+    try:
+        cls = SAMPLERS[name]
+    except KeyError:
+        raise SamplerError(f"sampler.name: expected one of {sorted(SAMPLERS)}, found {name!r}") from None
+    return cls(space, seed)
