@@ -79,7 +79,9 @@ class StepStats:
 class PipelineEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                  settings: PipelineSettings, env: DistEnv, device: torch.device,
-                 failure_dir: str | os.PathLike | None = None) -> None:
+                 failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None) -> None:
+        # ``costs``: the table to plan with (e.g. pipeline.profile.shared_profile); every rank
+        # must pass the same one. None: the analytic model at the first batch's shape.
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
@@ -105,7 +107,7 @@ class PipelineEngine:
         self.owners = initial_owners(graph.slots(), self.num_stages)
         self.tensors = TensorManager(graph, seed, optim, self.device,
                                      own=[op for op, s in self.owners.items() if s == self.rank])
-        self.costs: CostTable | None = None
+        self.costs: CostTable | None = costs
         self.stats = StepStats()
         self._fault = _parse_fault(os.environ.get("PIPENAS_FAULT"))
         self._step = -1
@@ -122,6 +124,7 @@ class PipelineEngine:
     def _ensure_costs(self, x: torch.Tensor, microbatch: int) -> None:
         if self.costs is None:
             self.costs = analytic_costs(self.graph, tuple(x.shape[1:]), microbatch, self.optim.name)
+        if self.planner is None:
             self.planner = self._make_planner()
 
     def _make_planner(self):
