@@ -21,13 +21,15 @@ __all__ = [
 
 
 def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
-                  settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None) -> Engine:
+                  settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None,
+                  failure_dir: str | None = None) -> Engine:
     """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
-    RANK/WORLD_SIZE is set), else one pipeline stage per rank."""
+    RANK/WORLD_SIZE is set), else one pipeline stage per rank. ``failure_dir`` (the run
+    directory's ``failures/``) is where a failing rank leaves the note its peers quote."""
     env = env if env is not None else dist_env()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if env is None:
         return ReferenceEngine(graph, seed, optim, microbatches, lr, dev)
     from .runtime import PipelineEngine
 
-    return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev)
+    return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir)
