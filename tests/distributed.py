@@ -38,6 +38,10 @@ class Scenario:
     planner: str = "dynamic"
     seed: int = 0
     eval_archs: int = 0
+    start: int = 0  # first step to run (a resumed run starts after its checkpoint)
+    stop: int | None = None  # stop before this step (None: run to ``steps``, the lr schedule's length)
+    load: str = ""  # checkpoint of op states to resume from
+    save: str = ""  # where rank 0 saves the final op states
     extra: dict = field(default_factory=dict)
 
 
@@ -74,8 +78,10 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     graph = build_graph(sc.space)
     engine = make_engine(sc, graph, env)
     archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs)
+    if sc.load:
+        engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks = [], [], 0, 0
-    for step in range(sc.steps):
+    for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
         x, y = step_data(sc.seed, step, sc.batch)
         r = engine.train_step(step, archs[step], x, y)
         losses.append(r.loss)
@@ -89,6 +95,8 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         e = engine.evaluate(archs[sc.steps + i], [(xv, yv), (xv.flip(0), yv.flip(0))], [(xc, yc)])
         evals.append([e.loss, e.correct, e.total])
     states = engine.op_states()
+    if sc.save and states is not None:
+        torch.save(states, sc.save)
     return {
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
