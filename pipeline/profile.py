@@ -1,0 +1,338 @@
+"""The measured profiler: a :class:`~pipeline.costs.CostTable` from timing every op on the job's device.
+
+For each op of the supernet (every :class:`~supernet.OpSlot`, active or not) this runs the op
+the way :mod:`supernet.execute` does — inputs as fresh leaves that require grad (the data
+itself does not), :func:`supernet.ops.run_op`, then ``torch.autograd.backward`` with a random
+gradient of the output — and records, at the micro-batch shape in use:
+
+* ``fwd`` / ``bwd``: the median over ``repeats`` timed runs after ``warmup`` untimed ones
+  (CUDA: ``torch.cuda.Event`` pairs and ``torch.cuda.synchronize``; CPU: ``perf_counter``);
+* ``param_bytes`` (as :func:`~pipeline.costs.analytic_costs` counts them) and
+  ``optim_bytes`` (:func:`~pipeline.costs.optim_bytes`);
+* ``act_bytes``: what the forward keeps for the backward. On CPU: the unique storages of the
+  tensors autograd saves (``saved_tensors_hooks``) plus the output's, minus the op's weights
+  and its inputs (those are counted once, as the producer's output or as the stage's received
+  cut). On CUDA: ``torch.cuda.memory_allocated`` after the forward minus before, with the
+  output and the graph still alive (``max_memory_allocated`` over the same window, the
+  transient peak, is logged at debug level);
+* ``out_bytes`` per node: the bytes of its output, what crosses a cut.
+
+Ops with the same :class:`~supernet.OpSpec` and the same input shapes share one measurement
+(the layers of a chain space repeat the same few specs), so a 48 x 24 NASPipe space is 26
+measurements.
+
+Tables are cached on disk as JSON (written to a temp file, then ``os.replace``) in
+``$PIPENAS_CACHE`` or ``~/.cache/pipenas``, keyed by a sha256 over the graph's structure
+(op ids, nodes, inputs, specs), the device (type, name; thread count on CPU), the sample shape,
+the micro-batch, the dtype, the optimizer and the torch version.
+
+Distributed jobs must plan with ONE profile on every rank (the runtime checks that the ranks
+agree on each plan): :func:`shared_profile` measures on rank 0 (or reads its cache) and
+broadcasts the table with ``broadcast_object_list``. Call it after ``init_process_group`` and
+pass the result to ``PipelineEngine(..., costs=table)``. The other ranks wait in the broadcast
+meanwhile, so the process group's timeout must cover a first (uncached) measurement.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from supernet import INPUT, OpContext, SupernetError, SupernetGraph, build_op
+from supernet.ops import run_op
+
+from .costs import CostTable, analytic_costs, optim_bytes
+from .partition import OpCost
+
+__all__ = ["ProfileError", "measured_costs", "shared_profile", "cost_table", "profile_key", "default_cache_dir",
+           "table_to_json", "table_from_json"]
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # bump when the measurement method changes: old cache entries stop matching
+
+
+class ProfileError(RuntimeError):
+    """The profiler could not measure, or was called in a way it cannot serve."""
+
+
+# ------------------------------------------------------------------------------ cache keys
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PIPENAS_CACHE") or Path.home() / ".cache" / "pipenas")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    # CPU op times depend on the intra-op thread count the job runs with.
+    return f"{name} ({torch.get_num_threads()} threads)"
+
+
+def graph_digest(graph: SupernetGraph) -> str:
+    """sha256 over the supernet's structure: every op's id, node, inputs and spec."""
+    rows = [[s.op_id, s.node, list(graph.inputs_of(s.node)), str(s.spec)] for s in graph.slots()]
+    return hashlib.sha256(json.dumps([rows, graph.output]).encode()).hexdigest()
+
+
+def profile_key(graph: SupernetGraph, sample_shape: Sequence[int], microbatch: int, optimizer: str,
+                device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[str, dict[str, Any]]:
+    """The cache key of a profile and the fields it hashes."""
+    device = torch.device(device)
+    fields = {
+        "format": FORMAT, "graph": graph_digest(graph), "device": str(device.type),
+        "device_name": _device_name(device), "sample_shape": [int(d) for d in sample_shape],
+        "microbatch": int(microbatch), "dtype": str(dtype), "optimizer": optimizer,
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest(), fields
+
+
+def table_to_json(table: CostTable) -> dict[str, Any]:
+    return {
+        "source": table.source, "microbatch": table.microbatch,
+        "ops": {k: [c.fwd, c.bwd, c.param_bytes, c.optim_bytes, c.act_bytes] for k, c in table.ops.items()},
+        "out_bytes": dict(table.out_bytes),
+    }
+
+
+def table_from_json(d: dict[str, Any]) -> CostTable:
+    ops = {k: OpCost(k, float(v[0]), float(v[1]), int(v[2]), int(v[3]), int(v[4])) for k, v in d["ops"].items()}
+    return CostTable(ops, {k: int(v) for k, v in d["out_bytes"].items()}, int(d["microbatch"]), str(d["source"]))
+
+
+def _read_cache(path: Path, key: str) -> CostTable | None:
+    try:
+        d = json.loads(path.read_text())
+        if d.get("key") != key:
+            return None
+        return table_from_json(d["table"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        log.warning("ignoring unreadable profile cache %s (%s); measuring again", path, e)
+        return None
+
+
+def _write_cache(path: Path, key: str, fields: dict[str, Any], table: CostTable) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "fields": fields, "table": table_to_json(table)}, f)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Clock:
+    """Seconds between ``start`` and ``stop``: CUDA events (synchronized) or ``perf_counter``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            torch.cuda.synchronize()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, t0: Any) -> float:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            torch.cuda.synchronize()
+            return t0.elapsed_time(ev) / 1e3
+        return time.perf_counter() - t0
+
+
+def _kept_bytes_cpu(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext) -> int:
+    """Unique storages autograd saves in one forward, plus the output's, minus weights and inputs."""
+    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    exclude |= {a.untyped_storage().data_ptr() for a in args}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_op(module, args, ctx)
+    st = out.untyped_storage()
+    seen[st.data_ptr()] = st.nbytes()
+    return sum(n for ptr, n in seen.items() if ptr not in exclude and ptr != 0)
+
+
+def _kept_bytes_cuda(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run_op(module, args, ctx)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - base
+    log.debug("%s: kept %d bytes, transient peak %d bytes", ctx.op_id, kept, torch.cuda.max_memory_allocated() - base)
+    del out
+    return max(0, kept)
+
+
+def _time_op(module: torch.nn.Module, inputs: list[torch.Tensor], needs_grad: list[bool], ctx: OpContext,
+             device: torch.device, warmup: int, repeats: int) -> tuple[float, float, int]:
+    """(median forward s, median backward s, kept activation bytes) of one op."""
+    clock = _Clock(device)
+
+    def leaves() -> list[torch.Tensor]:
+        return [a.detach().requires_grad_(True) if g else a for a, g in zip(inputs, needs_grad)]
+
+    kept = (_kept_bytes_cuda if device.type == "cuda" else _kept_bytes_cpu)(module, leaves(), ctx)
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        args = leaves()
+        t0 = clock.start()
+        out = run_op(module, args, ctx)
+        tf = clock.stop(t0)
+        tb = 0.0
+        if out.requires_grad:
+            grad = torch.randn_like(out)
+            t0 = clock.start()
+            torch.autograd.backward(out, grad)
+            tb = clock.stop(t0)
+        module.zero_grad(set_to_none=True)
+        del out, args
+        if i >= warmup:
+            fwd.append(tf)
+            bwd.append(tb)
+    return statistics.median(fwd), statistics.median(bwd), kept
+
+
+def _measure(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: int, optimizer: str,
+             device: torch.device, dtype: torch.dtype, warmup: int, repeats: int, seed: int) -> CostTable:
+    """Run and time every op of ``graph`` (see the module docstring); no cache."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((microbatch, *sample_shape), generator=gen).to(device=device, dtype=dtype)
+    env: dict[str, torch.Tensor] = {INPUT: x}
+    out_bytes = {INPUT: _nbytes(x)}
+    slots_by_node: dict[str, list] = {}
+    for slot in graph.slots():
+        slots_by_node.setdefault(slot.node, []).append(slot)
+    shared: dict[tuple, tuple[float, float, int]] = {}
+    ops: dict[str, OpCost] = {}
+    torch.manual_seed(seed)  # torch.randn_like gradients: the same every run
+    for node in graph.nodes():
+        srcs = graph.inputs_of(node)
+        args = [env[s] for s in srcs]
+        # as supernet.execute does: every float input but the data is a leaf that requires grad
+        needs_grad = [s != INPUT and a.is_floating_point() for s, a in zip(srcs, args)]
+        shape = None
+        for slot in slots_by_node[node]:
+            module = build_op(slot.spec, slot.op_id, seed).to(device=device, dtype=dtype)
+            ctx = OpContext(seed, 0, 0, slot.op_id, True)
+            key = (slot.spec, tuple((tuple(a.shape), a.dtype) for a in args), tuple(needs_grad))
+            if key not in shared:
+                shared[key] = _time_op(module, args, needs_grad, ctx, device, warmup, repeats)
+            with torch.no_grad():
+                out = run_op(module, args, ctx)
+            if shape is None:
+                shape, env[node] = tuple(out.shape), out
+            elif tuple(out.shape) != shape:
+                raise SupernetError(
+                    f"node {node!r}: every candidate must produce the same output shape; "
+                    f"{slot.op_id!r} gives {tuple(out.shape)}, an earlier candidate gives {shape}")
+            pbytes = sum(_nbytes(p) for p in module.parameters())
+            fwd, bwd, kept = shared[key]
+            ops[slot.op_id] = OpCost(slot.op_id, fwd, bwd, pbytes, optim_bytes(pbytes, optimizer), kept)
+        out_bytes[node] = _nbytes(env[node])
+    log.info("profiled %d ops (%d distinct measurements) on %s", len(ops), len(shared), device)
+    return CostTable(ops, out_bytes, microbatch, f"measured:{device}")
+
+
+# ---------------------------------------------------------------------------------- public
+
+
+def measured_costs(graph: SupernetGraph, sample_shape: Sequence[int], microbatch: int, optimizer: str = "sgd",
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *, warmup: int = 2,
+                   repeats: int = 7, seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                   use_cache: bool = True) -> CostTable:
+    """The measured cost table of ``graph`` at ``(microbatch, *sample_shape)`` on ``device``,
+    from the cache when a profile with the same key exists (see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ProfileError("measured_costs: the meta device cannot be timed; use pipeline.costs.analytic_costs")
+    if not (isinstance(microbatch, int) and microbatch >= 1) or repeats < 1 or warmup < 0:
+        raise ProfileError(f"measured_costs: expected microbatch >= 1, repeats >= 1, warmup >= 0, found "
+                           f"{microbatch!r}, {repeats!r}, {warmup!r}")
+    sample_shape = tuple(int(d) for d in sample_shape)
+    key, fields = profile_key(graph, sample_shape, microbatch, optimizer, device, dtype)
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"profile-{key[:32]}.json"
+    if use_cache:
+        table = _read_cache(path, key)
+        if table is not None:
+            log.info("profile cache hit: %s", path)
+            return table
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        table = _measure(graph, sample_shape, microbatch, optimizer, device, dtype, warmup, repeats, seed)
+    if use_cache:
+        _write_cache(path, key, fields, table)
+    return table
+
+
+def cost_table(source: str, graph: SupernetGraph, sample_shape: Sequence[int], microbatch: int,
+               optimizer: str = "sgd", device: torch.device | str = "cpu", **kw: Any) -> CostTable:
+    """``source="measured"``: :func:`measured_costs`; ``"analytic"``: the FLOP model
+    :func:`~pipeline.costs.analytic_costs` (the fallback: no device time, any size, any machine)."""
+    if source == "measured":
+        return measured_costs(graph, sample_shape, microbatch, optimizer, device, **kw)
+    if source == "analytic":
+        return analytic_costs(graph, tuple(sample_shape), microbatch, optimizer, **kw)
+    raise ProfileError(f"cost source: expected 'measured' or 'analytic', found {source!r}")
+
+
+def shared_profile(graph: SupernetGraph, sample_shape: Sequence[int], microbatch: int, optimizer: str,
+                   rank: int, world_size: int, device: torch.device | str = "cpu", **kw: Any) -> CostTable:
+    """One profile for every rank: rank 0 measures (or reads its cache), then broadcasts the table.
+
+    Collective: every rank of the default process group calls it, after ``init_process_group``.
+    ``world_size == 1`` measures locally. The broadcast is bounded by the process group's timeout.
+    """
+    if world_size == 1:
+        return measured_costs(graph, sample_shape, microbatch, optimizer, device, **kw)
+    import torch.distributed as dist  # the one collective here; measuring needs no process group
+
+    if not dist.is_initialized():
+        raise ProfileError("shared_profile: expected an initialized default process group (call "
+                           "torch.distributed.init_process_group first), found none")
+    device = torch.device(device)
+    payload: list[Any] = [None]
+    if rank == 0:
+        payload[0] = table_to_json(measured_costs(graph, sample_shape, microbatch, optimizer, device, **kw))
+    # NCCL moves the pickled object through the current CUDA device; gloo through CPU.
+    dist.broadcast_object_list(payload, src=0, device=device if device.type == "cuda" else None)
+    if payload[0] is None:
+        raise ProfileError(f"shared_profile: rank {rank} received no table from rank 0")
+    return table_from_json(payload[0])
