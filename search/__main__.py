@@ -50,14 +50,19 @@ def compose_error(overrides: Sequence[str]) -> str | None:
     if any(a.startswith("-") for a in overrides):
         return None  # --help, --cfg, --multirun, ...: Hydra's own business
     from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="search"):
             compose("config", overrides=list(overrides), return_hydra_config=True)
+    except MissingConfigException as e:
+        if e.options and e.missing_cfg_file and "/" in e.missing_cfg_file:
+            group, _, name = e.missing_cfg_file.rpartition("/")
+            return f"{group}: no option {name!r}; expected one of {sorted(e.options)} (or a YAML of your own in conf/{group}/)"
+        return " ".join(str(e).split("Config search path:")[0].split())
     except (HydraException, OmegaConfBaseException) as e:
-        return _one_line(str(e)) or type(e).__name__
+        return " ".join(str(e).split()) or type(e).__name__
     return None
 
 

@@ -341,6 +341,10 @@ def _instantiate(tc: TargetConfig, provided: Mapping[str, Any]) -> Any:
         sig = None
     if sig is not None and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
         accepted = [n for n, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        for key in provided:
+            if key not in accepted:
+                raise ConfigError(f"{where}: {tc.target} does not take {key!r}; a {tc.group} callable must "
+                                  f"accept {sorted(provided)} by keyword")
         for key in tc.options:
             if key not in accepted:
                 options = sorted(set(accepted) - set(provided))
