@@ -6,7 +6,9 @@ itself does not), :func:`supernet.ops.run_op`, then ``torch.autograd.backward`` 
 gradient of the output — and records, at the micro-batch shape in use:
 
 * ``fwd`` / ``bwd``: the median over ``repeats`` timed runs after ``warmup`` untimed ones
-  (CUDA: ``torch.cuda.Event`` pairs and ``torch.cuda.synchronize``; CPU: ``perf_counter``);
+  (CUDA: ``torch.cuda.Event`` pairs and ``torch.cuda.synchronize``; CPU: ``perf_counter``),
+  taken round robin over the distinct ops, with weight gradients accumulating between runs
+  as they do over the micro-batches of a step;
 * ``param_bytes`` (as :func:`~pipeline.costs.analytic_costs` counts them) and
   ``optim_bytes`` (:func:`~pipeline.costs.optim_bytes`);
 * ``act_bytes``: what the forward keeps for the backward. On CPU: the unique storages of the
@@ -58,7 +60,7 @@ __all__ = ["ProfileError", "measured_costs", "shared_profile", "cost_table", "pr
            "table_to_json", "table_from_json"]
 
 log = logging.getLogger(__name__)
-FORMAT = 1  # bump when the measurement method changes: old cache entries stop matching
+FORMAT = 2  # bump when the measurement method changes: old cache entries stop matching
 
 
 class ProfileError(RuntimeError):
@@ -202,33 +204,52 @@ def _kept_bytes_cuda(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpC
     return max(0, kept)
 
 
-def _time_op(module: torch.nn.Module, inputs: list[torch.Tensor], needs_grad: list[bool], ctx: OpContext,
-             device: torch.device, warmup: int, repeats: int) -> tuple[float, float, int]:
-    """(median forward s, median backward s, kept activation bytes) of one op."""
-    clock = _Clock(device)
+class _Unit:
+    """One distinct measurement: an op module, its inputs and its timings so far."""
 
-    def leaves() -> list[torch.Tensor]:
-        return [a.detach().requires_grad_(True) if g else a for a, g in zip(inputs, needs_grad)]
+    def __init__(self, module: torch.nn.Module, inputs: list[torch.Tensor], needs_grad: list[bool],
+                 ctx: OpContext) -> None:
+        self.module, self.inputs, self.needs_grad, self.ctx = module, inputs, needs_grad, ctx
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+        self.kept = 0
 
-    kept = (_kept_bytes_cuda if device.type == "cuda" else _kept_bytes_cpu)(module, leaves(), ctx)
-    fwd, bwd = [], []
-    for i in range(warmup + repeats):
-        args = leaves()
+    def leaves(self) -> list[torch.Tensor]:
+        return [a.detach().requires_grad_(True) if g else a for a, g in zip(self.inputs, self.needs_grad)]
+
+
+def _run_once(unit: _Unit, clock: _Clock) -> tuple[float, float]:
+    """One timed forward and backward. Weight gradients are kept between runs, so after the
+    first run a backward accumulates into them, as micro-batches 2..M of a step do."""
+    args = unit.leaves()
+    t0 = clock.start()
+    out = run_op(unit.module, args, unit.ctx)
+    tf = clock.stop(t0)
+    tb = 0.0
+    if out.requires_grad:
+        grad = torch.randn_like(out)
         t0 = clock.start()
-        out = run_op(module, args, ctx)
-        tf = clock.stop(t0)
-        tb = 0.0
-        if out.requires_grad:
-            grad = torch.randn_like(out)
-            t0 = clock.start()
-            torch.autograd.backward(out, grad)
-            tb = clock.stop(t0)
-        module.zero_grad(set_to_none=True)
-        del out, args
-        if i >= warmup:
-            fwd.append(tf)
-            bwd.append(tb)
-    return statistics.median(fwd), statistics.median(bwd), kept
+        torch.autograd.backward(out, grad)
+        tb = clock.stop(t0)
+    return tf, tb
+
+
+def _time_units(units: list[_Unit], device: torch.device, warmup: int, repeats: int) -> None:
+    """Kept bytes, then ``warmup + repeats`` rounds over all units in turn (round robin, so a
+    burst of load on a shared machine slows every op a little rather than a few ops a lot:
+    the relative costs, which decide the partition, stay right)."""
+    clock = _Clock(device)
+    kept = _kept_bytes_cuda if device.type == "cuda" else _kept_bytes_cpu
+    for u in units:
+        u.kept = kept(u.module, u.leaves(), u.ctx)
+    for i in range(warmup + repeats):
+        for u in units:
+            tf, tb = _run_once(u, clock)
+            if i >= warmup:
+                u.fwd.append(tf)
+                u.bwd.append(tb)
+    for u in units:
+        u.module.zero_grad(set_to_none=True)
 
 
 def _measure(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: int, optimizer: str,
@@ -241,8 +262,9 @@ def _measure(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: in
     slots_by_node: dict[str, list] = {}
     for slot in graph.slots():
         slots_by_node.setdefault(slot.node, []).append(slot)
-    shared: dict[tuple, tuple[float, float, int]] = {}
-    ops: dict[str, OpCost] = {}
+    units: dict[tuple, _Unit] = {}
+    unit_of: dict[str, tuple] = {}
+    pbytes: dict[str, int] = {}
     torch.manual_seed(seed)  # torch.randn_like gradients: the same every run
     for node in graph.nodes():
         srcs = graph.inputs_of(node)
@@ -254,8 +276,9 @@ def _measure(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: in
             module = build_op(slot.spec, slot.op_id, seed).to(device=device, dtype=dtype)
             ctx = OpContext(seed, 0, 0, slot.op_id, True)
             key = (slot.spec, tuple((tuple(a.shape), a.dtype) for a in args), tuple(needs_grad))
-            if key not in shared:
-                shared[key] = _time_op(module, args, needs_grad, ctx, device, warmup, repeats)
+            if key not in units:
+                units[key] = _Unit(module, args, needs_grad, ctx)
+            unit_of[slot.op_id] = key
             with torch.no_grad():
                 out = run_op(module, args, ctx)
             if shape is None:
@@ -264,11 +287,15 @@ def _measure(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: in
                 raise SupernetError(
                     f"node {node!r}: every candidate must produce the same output shape; "
                     f"{slot.op_id!r} gives {tuple(out.shape)}, an earlier candidate gives {shape}")
-            pbytes = sum(_nbytes(p) for p in module.parameters())
-            fwd, bwd, kept = shared[key]
-            ops[slot.op_id] = OpCost(slot.op_id, fwd, bwd, pbytes, optim_bytes(pbytes, optimizer), kept)
+            pbytes[slot.op_id] = sum(_nbytes(p) for p in module.parameters())
         out_bytes[node] = _nbytes(env[node])
-    log.info("profiled %d ops (%d distinct measurements) on %s", len(ops), len(shared), device)
+    _time_units(list(units.values()), device, warmup, repeats)
+    ops: dict[str, OpCost] = {}
+    for op_id, key in unit_of.items():
+        u = units[key]
+        ops[op_id] = OpCost(op_id, statistics.median(u.fwd), statistics.median(u.bwd), pbytes[op_id],
+                            optim_bytes(pbytes[op_id], optimizer), u.kept)
+    log.info("profiled %d ops (%d distinct measurements) on %s", len(ops), len(units), device)
     return CostTable(ops, out_bytes, microbatch, f"measured:{device}")
 
 
