@@ -98,8 +98,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         "config_digest": digest,
         "steps": rc.train.steps,
         "resumed_from_step": start,
-        "final_loss": losses[-1] if losses else None,
-        "mean_loss_last10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "final_loss": _finite(losses[-1]) if losses else None,  # null: not the main rank, or diverged
+        "mean_loss_last10": _finite(sum(losses[-10:]) / len(losses[-10:])) if losses else None,
         "best": top[0],
         "top_k": top,
         "search": {"algorithm": rc.search.algorithm, "evaluated": result.evaluated,
@@ -158,7 +158,7 @@ def _open_metrics(path: Path, start: int) -> list[float]:
                 continue  # a line cut short by a crash
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < start:
                 kept.append(line)
-                losses.append(float(rec["loss"]))
+                losses.append(float("nan") if rec.get("loss") is None else float(rec["loss"]))
     atomic_write_text(path, "".join(line + "\n" for line in kept))
     return losses
 
@@ -245,11 +245,15 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
     return result, evals
 
 
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no NaN
+
+
 def _entry(arch: Arch, ev: EvalResult, cost: SubnetCost) -> dict[str, Any]:
     try:
         flops: int | None = cost.flops(arch)
     except Exception as e:  # FLOPs are informational here; a space may have ops torch cannot count
         log.warning("cannot count the FLOPs of %s: %s", arch, e)
         flops = None
-    return {"arch": dict(arch), "val_accuracy": ev.accuracy, "val_loss": ev.loss,
+    return {"arch": dict(arch), "val_accuracy": ev.accuracy, "val_loss": _finite(ev.loss),
             "params": cost.params(arch), "flops": flops}
