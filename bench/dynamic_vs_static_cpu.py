@@ -1,0 +1,252 @@
+"""Issue 4 on real processes: dynamic vs static (and equal-count) partitioning, P=2, gloo, CPU,
+and a check of the simulator against the measured step times.
+
+Space: transformer, 8 layers, width 256, candidates ffn8 / identity / attn4 / conv5 (per-op
+costs from ~0 to several ms, so where to cut matters), batches of 32 samples of 16 tokens x 32
+features, SGD with momentum, 1F1B, M in {4, 8}. Every rank plans with the measured profile
+(pipeline.profile.shared_profile, measured afresh at the start of the run and passed as
+PipelineEngine(costs=...)) and the link measured with the runtime's transport. The planners
+(dynamic with --eps, static, equal, and dynamic with each --extra-eps) run in the SAME
+invocation on the same arch stream and data: one engine per planner, stepped in turn (step k of
+each, then step k + 1), so they see the same machine load.
+
+Simulator check: before each step the engine's own (pure) plan is read with ``engine.plan``;
+the step is predicted with pipeline.simulate.simulate from the profile's per-op fwd/bwd times
+summed per stage and send = latency + cut bytes / bandwidth, plus the planner's migration model
+(moved bytes / bandwidth + latency per moved op). Measured step time: the slowest rank's wall
+time of the step. A bench-only probe times each engine's migration phase, so the error is also
+given for the pipeline part alone (step minus migration), and migration is also predicted per
+message (the transport sends a header, the metadata and one message per state tensor).
+``contention``: compute wall time per CPU second; steps at <= 1.10 count as quiet.
+
+    python bench/dynamic_vs_static_cpu.py [--steps 24] [--warmup 2] [--microbatches 4 8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn  # noqa: E402
+
+SPACE = dict(layers=8, width=256, candidates=["ffn8", "identity", "attn4", "conv5"])
+SAMPLE = (16, 32)
+BATCH = 32
+P = 2
+PLANNERS = ("dynamic", "static", "equal")
+SCHEDULE = "1f1b"
+
+
+def _graph():
+    from supernet.spaces import build_space
+
+    return build_space("transformer", input_shape=SAMPLE, num_classes=10, **SPACE)
+
+
+def _data(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(BATCH, *SAMPLE, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def _predict(engine, plan, table, schedule, latency: float, bandwidth: float) -> dict:
+    """The simulated step of ``plan`` under the measured profile, before it runs."""
+    from pipeline.placement import moves
+    from pipeline.simulate import simulate
+
+    fwd = [sum(table.ops[op.op_id].fwd for op in sl.ops) for sl in plan.slices]
+    bwd = [sum(table.ops[op.op_id].bwd for op in sl.ops) for sl in plan.slices]
+    send = [latency + sum(table.out_bytes[n] for n in sl.outputs) / bandwidth for sl in plan.slices[:-1]]
+    sim = simulate(schedule, fwd, bwd, send)
+    todo = moves([op for sl in plan.slices for op in sl.ops], plan.partition.bounds, engine.owners)
+    migration = plan.partition.moved_bytes / bandwidth + len(todo) * latency
+    # what the transport really does per moved op: a header and a metadata message, then one
+    # message per tensor of its flat state (weights, buffers, one momentum buffer per weight),
+    # each received (and so woken up for) in turn
+    messages = sum(2 + _state_tensors(engine, mv.op_id) for mv in todo)
+    return {"step": sim.step_time + migration, "pipeline": sim.step_time, "migration": migration,
+            "migration_per_message": plan.partition.moved_bytes / bandwidth + messages * latency,
+            "busy": list(sim.busy), "moves": len(todo), "messages": messages, "bounds": list(plan.partition.bounds)}
+
+
+def _state_tensors(engine, op_id: str) -> int:
+    from supernet import build_op
+
+    spec = next(s.spec for s in engine.graph.slots() if s.op_id == op_id)
+    with torch.device("meta"):
+        module = build_op(spec, op_id, 0)
+    params = len(list(module.parameters()))
+    return 2 * params + len(list(module.buffers()))  # SGD with momentum: one buffer per weight
+
+
+def _time_migrations(engine, box: list[float]) -> None:
+    """Bench-only probe: record how long the engine's migration phase takes (StepStats has no
+    field for it yet). Wraps the instance's ``_migrate``; the engine itself is unchanged."""
+    inner = engine._migrate
+
+    def migrate(plan):
+        t0 = time.perf_counter()
+        try:
+            return inner(plan)
+        finally:
+            box[0] = time.perf_counter() - t0
+
+    engine._migrate = migrate
+
+
+def worker(spec: dict, rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from pipeline import DistEnv, LrSchedule, OptimConfig, PipelineSettings
+    from pipeline.profile import shared_profile
+    from pipeline.runtime import PipelineEngine
+
+    latency, bandwidth = measure_link(rank)
+    graph = _graph()
+    archs = [graph.space().random(rng) for rng in [random.Random(spec["seed"])] for _ in range(spec["steps"])]
+    optim = OptimConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=1e-4)
+    lr = LrSchedule(optim.lr, 1000)
+    out = {"link": {"latency_s": latency, "bandwidth": bandwidth}, "settings": []}
+    for M in spec["microbatches"]:
+        table = shared_profile(graph, SAMPLE, BATCH // M, "sgd", rank, world, "cpu", repeats=15,
+                               use_cache=spec["cached_profile"])
+        engines, boxes = {}, {}
+        for label, planner, eps in spec["planners"]:
+            engines[label] = PipelineEngine(
+                graph, spec["seed"], optim, M, lr,
+                PipelineSettings(schedule=SCHEDULE, planner=planner, eps=eps, timeout_s=120.0,
+                                 link_bandwidth=bandwidth, link_latency_s=latency),
+                DistEnv(rank, world, rank), torch.device("cpu"), costs=table)
+            boxes[label] = [0.0]
+            _time_migrations(engines[label], boxes[label])
+        steps: dict[str, list] = {label: [] for label in engines}
+        for step, arch in enumerate(archs):
+            x, y = _data(spec["seed"], step)
+            for label, engine in engines.items():
+                # the planner exists once the first step made it; step 0 is a warm-up anyway
+                pred = _predict(engine, engine.plan(arch), table, engine.schedule, latency, bandwidth) \
+                    if engine.planner is not None else None
+                dist.barrier()
+                c0 = time.process_time()
+                r = engine.train_step(step, arch, x, y)
+                cpu = time.process_time() - c0
+                stats = [None] * world
+                dist.all_gather_object(stats, (engine.stats.wall_s, engine.stats.busy_s, engine.stats.migrated_ops,
+                                               engine.stats.migrated_bytes, cpu, boxes[label][0]))
+                steps[label].append({"loss": r.loss, "ranks": stats, "pred": pred})
+        out["settings"].append({"M": M, "steps": steps})
+    return out
+
+
+def _rel(pred: float, meas: float) -> float:
+    return (pred - meas) / meas
+
+
+def _med(xs):
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
+def summarize(steps: list[dict]) -> dict:
+    """One planner's figures over its measured steps."""
+    wall = [max(r[0] for r in s["ranks"]) for s in steps]
+    mig = [max(r[5] for r in s["ranks"]) for s in steps]
+    cont = [contention(sum(r[1] for r in s["ranks"]), sum(r[4] for r in s["ranks"])) for s in steps]
+    pred = [s["pred"] for s in steps]
+    err = [_rel(p["step"], w) for p, w in zip(pred, wall)]
+    err_pipe = [_rel(p["pipeline"], w - m) for p, w, m in zip(pred, wall, mig)]
+    quiet = [i for i, c in enumerate(cont) if c <= QUIET]
+    return {
+        "samples_per_s": BATCH / _med(wall),
+        "samples_per_s_without_migration": BATCH / _med(w - m for w, m in zip(wall, mig)),
+        "predicted_samples_per_s": BATCH / _med(p["step"] for p in pred),
+        "step_ms_median": 1e3 * _med(wall),
+        "predicted_step_ms_median": 1e3 * _med(p["step"] for p in pred),
+        "migrated_ops_per_step": statistics.fmean(s["ranks"][0][2] for s in steps),
+        "migrated_bytes_per_step": statistics.fmean(s["ranks"][0][3] for s in steps),
+        "migration_ms_mean": 1e3 * statistics.fmean(mig),
+        "predicted_migration_ms_mean": 1e3 * statistics.fmean(p["migration"] for p in pred),
+        "predicted_migration_per_message_ms_mean": 1e3 * statistics.fmean(p["migration_per_message"] for p in pred),
+        "migration_messages_per_step": statistics.fmean(p["messages"] for p in pred),
+        "predicted_moves_agree": all(p["moves"] == s["ranks"][0][2] for p, s in zip(pred, steps)),
+        "sim_abs_rel_error_median": _med(abs(e) for e in err),
+        "sim_signed_rel_error_median": _med(err),
+        "sim_pipeline_only_abs_rel_error_median": _med(abs(e) for e in err_pipe),
+        "sim_pipeline_only_signed_rel_error_median": _med(err_pipe),
+        "measured_busy_imbalance_median": _med(
+            max(r[1] for r in s["ranks"]) / (sum(r[1] for r in s["ranks"]) / P) for s in steps),
+        "predicted_busy_imbalance_median": _med(max(p["busy"]) / (sum(p["busy"]) / P) for p in pred),
+        "measured_busy_sum_ms_median": 1e3 * _med(sum(r[1] for r in s["ranks"]) for s in steps),
+        "predicted_busy_sum_ms_median": 1e3 * _med(sum(p["busy"]) for p in pred),
+        "contention_median": _med(cont), "quiet_steps": len(quiet),
+        "quiet_samples_per_s": BATCH / _med(wall[i] for i in quiet) if quiet else None,
+        "quiet_sim_abs_rel_error_median": _med(abs(err[i]) for i in quiet),
+        "quiet_sim_pipeline_only_abs_rel_error_median": _med(abs(err_pipe[i]) for i in quiet),
+        "_err": err, "_err_pipe": err_pipe,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=24, help="steps per planner, warm-up included")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eps", type=float, default=0.05)
+    ap.add_argument("--extra-eps", type=float, nargs="*", default=[0.25],
+                    help="also run the dynamic planner with these eps (fewer migrations)")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--cached-profile", action="store_true",
+                    help="reuse a cached profile (default: measure afresh, under this run's machine load)")
+    args = ap.parse_args()
+    planners = [("dynamic", "dynamic", args.eps), ("static", "static", args.eps), ("equal", "equal", args.eps),
+                *((f"dynamic_eps{e:g}", "dynamic", e) for e in args.extra_eps)]
+    spec = {"seed": args.seed, "steps": args.steps, "planners": planners, "microbatches": args.microbatches,
+            "threads": 1, "timeout_s": 600, "cached_profile": args.cached_profile}
+    progress(f"{P} gloo ranks, planners {[p[0] for p in planners]}, M in {args.microbatches}, "
+             f"{args.steps} steps each ...")
+    t0 = time.perf_counter()
+    res = spawn(P, "bench.dynamic_vs_static_cpu:worker", spec, timeout_s=1800)
+    progress(f"done in {time.perf_counter() - t0:.1f} s; link {res['link']}")
+    rows, all_err, all_err_pipe = [], [], []
+    for setting in res["settings"]:
+        M = setting["M"]
+        row = {"bench": "dynamic_vs_static_cpu", "P": P, "M": M, "schedule": SCHEDULE, "batch": BATCH,
+               "space": dict(SPACE, name="transformer", sample=list(SAMPLE)), "eps": args.eps,
+               "steps_measured": args.steps - args.warmup, "link": res["link"]}
+        setting_err, setting_err_pipe, losses = [], [], {}
+        for label, _, _ in planners:
+            fig = summarize(setting["steps"][label][args.warmup:])
+            setting_err += [abs(e) for e in fig.pop("_err")]
+            setting_err_pipe += [abs(e) for e in fig.pop("_err_pipe")]
+            losses[label] = [s["loss"] for s in setting["steps"][label]]
+            row[label] = fig
+        d, s_, e = row["dynamic"], row["static"], row["equal"]
+        row["dynamic_over_static"] = d["samples_per_s"] / s_["samples_per_s"]
+        row["dynamic_over_equal"] = d["samples_per_s"] / e["samples_per_s"]
+        row["dynamic_over_static_without_migration"] = d["samples_per_s_without_migration"] / s_["samples_per_s"]
+        row["predicted_dynamic_over_static"] = d["predicted_samples_per_s"] / s_["predicted_samples_per_s"]
+        for label, _, _ in planners[3:]:
+            row[f"{label}_over_static"] = row[label]["samples_per_s"] / s_["samples_per_s"]
+        row["losses_equal_across_planners"] = all(v == losses["dynamic"] for v in losses.values())
+        row["sim_abs_rel_error_median_setting"] = _med(setting_err)
+        row["sim_pipeline_only_abs_rel_error_median_setting"] = _med(setting_err_pipe)
+        row["loadavg"] = os.getloadavg()[0]
+        row["baseline"] = "static and equal planners, same arch stream, stepped in turn in the same run"
+        all_err += setting_err
+        all_err_pipe += setting_err_pipe
+        rows.append(row)
+    for row in rows:
+        row["sim_abs_rel_error_median_all"] = _med(all_err)
+        row["sim_pipeline_only_abs_rel_error_median_all"] = _med(all_err_pipe)
+    emit("dynamic_vs_static_cpu", rows)
+
+
+if __name__ == "__main__":
+    main()
