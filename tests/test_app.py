@@ -218,3 +218,31 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, override: str, mess
     assert message in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
     assert not any(out.glob("*.json*")) and not (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.dist
+def test_torchrun_two_stages_pin_the_run_dir_resume_and_match_one_process(tiny_run: tuple[Path, dict],
+                                                                          tmp_path: Path) -> None:
+    """Two pipeline stages under torchrun: rank 0 alone writes, into the pinned directory; the
+    same command again finds the checkpoint; the weights equal the single-process run's."""
+    _, single = tiny_run
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [*TINY_CONV, *TINY, "pipeline.timeout_s=60"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-4000:]
+    (run_dir,) = (tmp_path / "outputs" / "torchrun").iterdir()
+    assert run_dir.name == torchrun_argv(["search", *args], {"WORLD_SIZE": "2"})[-1].rsplit("/", 1)[1]
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".hydra", "checkpoint.pt", "metrics.jsonl", "search.log", "summary.json"]
+    assert first.stdout.count("best arch: ") == 1  # printed by rank 0 only
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["params_digest"] == single["params_digest"]
+    assert summary["top_k"] == single["top_k"]
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["resumed_from_step"] == 12 and resumed["params_digest"] == single["params_digest"]
+    assert len(list((tmp_path / "outputs" / "torchrun").iterdir())) == 1
