@@ -17,7 +17,12 @@ summed per stage and send = latency + cut bytes / bandwidth, plus the planner's 
 time of the step. A bench-only probe times each engine's migration phase, so the error is also
 given for the pipeline part alone (step minus migration), and migration is also predicted per
 message (the transport sends a header, the metadata and one message per state tensor).
-``contention``: compute wall time per CPU second; steps at <= 1.10 count as quiet.
+The machine is shared with other jobs (the load average is recorded): ``contention``, the
+compute wall time per CPU second the ranks got, marks the steps that ran undisturbed (<= 1.10:
+"quiet"); figures are also given over those.
+
+Profile check without the pipeline: after each round rank 0 alone (rank 1 idle in a barrier)
+runs the same step in a single-process ReferenceEngine, predicted as M x sum(fwd + bwd).
 
     python bench/dynamic_vs_static_cpu.py [--steps 24] [--warmup 2] [--microbatches 4 8]
 """
@@ -35,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn  # noqa: E402
+from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn, time_migrations  # noqa: E402
 
 SPACE = dict(layers=8, width=256, candidates=["ffn8", "identity", "attn4", "conv5"])
 SAMPLE = (16, 32)
@@ -86,25 +91,10 @@ def _state_tensors(engine, op_id: str) -> int:
     return 2 * params + len(list(module.buffers()))  # SGD with momentum: one buffer per weight
 
 
-def _time_migrations(engine, box: list[float]) -> None:
-    """Bench-only probe: record how long the engine's migration phase takes (StepStats has no
-    field for it yet). Wraps the instance's ``_migrate``; the engine itself is unchanged."""
-    inner = engine._migrate
-
-    def migrate(plan):
-        t0 = time.perf_counter()
-        try:
-            return inner(plan)
-        finally:
-            box[0] = time.perf_counter() - t0
-
-    engine._migrate = migrate
-
-
 def worker(spec: dict, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from pipeline import DistEnv, LrSchedule, OptimConfig, PipelineSettings
+    from pipeline import DistEnv, LrSchedule, OptimConfig, PipelineSettings, ReferenceEngine
     from pipeline.profile import shared_profile
     from pipeline.runtime import PipelineEngine
 
@@ -125,8 +115,11 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                                  link_bandwidth=bandwidth, link_latency_s=latency),
                 DistEnv(rank, world, rank), torch.device("cpu"), costs=table)
             boxes[label] = [0.0]
-            _time_migrations(engines[label], boxes[label])
+            time_migrations(engines[label], boxes[label])
         steps: dict[str, list] = {label: [] for label in engines}
+        # profile check without the pipeline: rank 0 alone runs the same step in one process
+        reference = ReferenceEngine(graph, spec["seed"], optim, M, lr, "cpu") if rank == 0 else None
+        single = []
         for step, arch in enumerate(archs):
             x, y = _data(spec["seed"], step)
             for label, engine in engines.items():
@@ -141,7 +134,14 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                 dist.all_gather_object(stats, (engine.stats.wall_s, engine.stats.busy_s, engine.stats.migrated_ops,
                                                engine.stats.migrated_bytes, cpu, boxes[label][0]))
                 steps[label].append({"loss": r.loss, "ranks": stats, "pred": pred})
-        out["settings"].append({"M": M, "steps": steps})
+            if reference is not None:
+                t0 = time.perf_counter()
+                reference.train_step(step, arch, x, y)
+                single.append((time.perf_counter() - t0,
+                               M * sum(table.ops[op.op_id].fwd + table.ops[op.op_id].bwd
+                                       for op in graph.active_ops(arch))))
+            dist.barrier()
+        out["settings"].append({"M": M, "steps": steps, "single_process": single})
     return out
 
 
@@ -234,6 +234,12 @@ def main() -> None:
         row["predicted_dynamic_over_static"] = d["predicted_samples_per_s"] / s_["predicted_samples_per_s"]
         for label, _, _ in planners[3:]:
             row[f"{label}_over_static"] = row[label]["samples_per_s"] / s_["samples_per_s"]
+        single = setting["single_process"][args.warmup:]
+        row["profile_check_single_process"] = {
+            "what": "one process, 1 thread, same steps: measured step vs M x sum(fwd + bwd) of the profile",
+            "abs_rel_error_median": _med(abs(_rel(p, t)) for t, p in single),
+            "signed_rel_error_median": _med(_rel(p, t) for t, p in single),
+            "step_ms_median": 1e3 * _med(t for t, _ in single), "predicted_ms_median": 1e3 * _med(p for _, p in single)}
         row["losses_equal_across_planners"] = all(v == losses["dynamic"] for v in losses.values())
         row["sim_abs_rel_error_median_setting"] = _med(setting_err)
         row["sim_pipeline_only_abs_rel_error_median_setting"] = _med(setting_err_pipe)

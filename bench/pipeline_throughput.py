@@ -8,7 +8,9 @@ processes, one intra-op thread each, planner dynamic (eps 0.05) on the measured 
 the same invocation: ReferenceEngine with 1 thread (the same core count per stage) and with 2
 threads (the whole 2-core machine, as the 2 stages use it), run by rank 0 right after each
 pipelined step while rank 1 idles in a barrier, so that pipeline and baselines see the same
-machine load (this machine is shared; the load average is recorded).
+machine load. The machine is shared with other jobs: the load average is recorded, and
+``contention`` (compute wall time per CPU second) marks the steps that ran undisturbed
+(<= 1.10: "quiet").
 
 Per setting (schedule in {gpipe, 1f1b} x M in {2, 4, 8}): samples/s = batch / median step time
 over the steps after --warmup (pipelined step time: the slowest rank's wall time of the step),
@@ -32,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn  # noqa: E402
+from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn, time_migrations  # noqa: E402
 
 SPACE = dict(layers=8, width=256, candidates=["attn2", "ffn2", "conv3", "identity"])
 SAMPLE = (32, 32)
@@ -83,6 +85,8 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                                     link_bandwidth=bandwidth, link_latency_s=latency)
         engine = PipelineEngine(graph, spec["seed"], optim, M, lr, settings, DistEnv(rank, world, rank),
                                 torch.device("cpu"), costs=costs)
+        mig = [0.0]
+        time_migrations(engine, mig)
         refs = {th: ReferenceEngine(graph, spec["seed"], optim, M, lr, "cpu") for th in (1, 2)} if rank == 0 else {}
         steps = []
         for step, arch in enumerate(archs):
@@ -93,7 +97,7 @@ def worker(spec: dict, rank: int, world: int) -> dict:
             cpu = time.process_time() - c0
             stats = [None] * world
             dist.all_gather_object(stats, (engine.stats.wall_s, engine.stats.busy_s, engine.stats.max_in_flight,
-                                           engine.stats.migrated_ops, cpu))
+                                           engine.stats.migrated_ops, cpu, mig[0]))
             row = {"loss": r.loss, "ranks": stats}
             for th, ref in refs.items():
                 torch.set_num_threads(th)
@@ -157,6 +161,10 @@ def main() -> None:
             "quiet_bubble_measured_median": statistics.median(
                 1 - sum(r[1] for r in s["ranks"]) / (P * max(r[0] for r in s["ranks"])) for s in quiet) if quiet else None,
             "bubble_measured_median": statistics.median(bubbles),
+            "bubble_measured_without_migration_median": statistics.median(
+                1 - sum(r[1] for r in s["ranks"]) / (P * (max(r[0] for r in s["ranks"]) - max(r[5] for r in s["ranks"])))
+                for s in steps),
+            "migration_ms_mean": 1e3 * statistics.fmean(max(r[5] for r in s["ranks"]) for s in steps),
             "bubble_analytic": (P - 1) / (M + P - 1),
             # the bubble a perfectly balanced split would still have is the analytic one; the rest
             # comes from stage imbalance and per-step work outside busy_s (plan, migrate, waits)
