@@ -1,7 +1,8 @@
 """The command line: ``python -m search [hydra overrides]`` (also under torchrun).
 
 Bad input ends with one line, ``error: <what, expected, found>``, on stderr and exit status
-2 (set ``HYDRA_FULL_ERROR=1`` for the traceback). Under torchrun every rank pins the same
+2; a failed pipeline rank with ``error: <rank, step, action, cause>`` and status 1 (set
+``HYDRA_FULL_ERROR=1`` for the traceback). Under torchrun every rank pins the same
 run directory, derived from the overrides, so that a restarted job finds its checkpoint.
 """
 from __future__ import annotations
@@ -72,13 +73,18 @@ def _is_rank0() -> bool:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from pipeline.runtime import StageFailure
+
     from .app import run
 
     try:
         summary = run(cfg)
-    except ValueError as e:  # the project's bad-input family: ConfigError, SupernetError, ...
+    except (ValueError, StageFailure) as e:  # bad input (ConfigError, SupernetError, ...); a failed rank
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
+        if isinstance(e, StageFailure):  # keeps its rank-by-step grid on the lines below
+            print(f"error: {str(e).strip()}", file=sys.stderr)
+            sys.exit(1)
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
     if _is_rank0():

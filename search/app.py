@@ -71,8 +71,9 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     if ckpt is not None:
         _check_resumable(ckpt, ckpt_path, tdigest, rc)
 
+    # A failing pipeline rank leaves a note in failures/ that its peers quote in their reports.
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
-                           rc.pipeline, rc.device)
+                           rc.pipeline, rc.device, failure_dir=str(out / "failures"))
     rlog = _RankLog(log, {"rank": engine.rank})
     try:
         start = 0
