@@ -110,6 +110,7 @@ class PipelineEngine:
         self.costs: CostTable | None = costs
         self.stats = StepStats()
         self._fault = _parse_fault(os.environ.get("PIPENAS_FAULT"))
+        self._started = time.time()  # failure notes older than this engine belong to an earlier attempt
         self._step = -1
 
     @property
@@ -212,7 +213,7 @@ class PipelineEngine:
             os.replace(tmp, note)
         grid = format_grid(self.schedule, mark=action) if isinstance(action, Action) else ""
         msg = f"{where}: {cause}" + (f"\nschedule ({self.schedule.name}), failing action marked:\n{grid}" if grid else "")
-        log.error("%s", msg)
+        log.error("%s: %s", where, cause)
         return StageFailure(msg, self.rank, step, str(action))
 
     def _root_cause(self, exclude: int, wait_s: float = 2.0) -> str | None:
@@ -223,6 +224,8 @@ class PipelineEngine:
             notes = sorted(self.failure_dir.glob("rank*.json")) if self.failure_dir.exists() else []
             for note in notes:
                 try:
+                    if note.stat().st_mtime < self._started - 1.0:
+                        continue
                     d = json.loads(note.read_text())
                 except (OSError, ValueError):
                     continue
