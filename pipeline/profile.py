@@ -6,7 +6,9 @@ itself does not), :func:`supernet.ops.run_op`, then ``torch.autograd.backward`` 
 gradient of the output — and records, at the micro-batch shape in use:
 
 * ``fwd`` / ``bwd``: the median over ``repeats`` timed runs after ``warmup`` untimed ones
-  (CUDA: ``torch.cuda.Event`` pairs and ``torch.cuda.synchronize``; CPU: ``perf_counter``),
+  (CUDA: ``torch.cuda.Event`` pairs and ``torch.cuda.synchronize``; CPU with one intra-op
+  thread: the thread's CPU time, which other jobs on a shared machine do not inflate; CPU with
+  more threads: ``perf_counter``; see :func:`clock_kind`),
   taken round robin over the distinct ops, with weight gradients accumulating between runs
   as they do over the micro-batches of a step;
 * ``param_bytes`` (as :func:`~pipeline.costs.analytic_costs` counts them) and
@@ -57,10 +59,10 @@ from .costs import CostTable, analytic_costs, optim_bytes
 from .partition import OpCost
 
 __all__ = ["ProfileError", "measured_costs", "shared_profile", "cost_table", "profile_key", "default_cache_dir",
-           "table_to_json", "table_from_json"]
+           "clock_kind", "table_to_json", "table_from_json"]
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # bump when the measurement method changes: old cache entries stop matching
+FORMAT = 3  # bump when the measurement method changes: old cache entries stop matching
 
 
 class ProfileError(RuntimeError):
@@ -101,7 +103,7 @@ def profile_key(graph: SupernetGraph, sample_shape: Sequence[int], microbatch: i
         "format": FORMAT, "graph": graph_digest(graph), "device": str(device.type),
         "device_name": _device_name(device), "sample_shape": [int(d) for d in sample_shape],
         "microbatch": int(microbatch), "dtype": str(dtype), "optimizer": optimizer,
-        "torch": torch.__version__,
+        "torch": torch.__version__, "clock": clock_kind(device),
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest(), fields
 
@@ -151,27 +153,38 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def clock_kind(device: torch.device) -> str:
+    """How ops are timed: ``cuda-events`` on CUDA; on CPU with one intra-op thread, the calling
+    thread's CPU time (``thread-cpu``: the op runs on that thread, and time other processes take
+    the core is not counted, so a profile taken on a shared machine keeps its uncontended costs);
+    with more threads, wall time (``wall``)."""
+    if device.type == "cuda":
+        return "cuda-events"
+    return "thread-cpu" if torch.get_num_threads() == 1 else "wall"
+
+
 class _Clock:
-    """Seconds between ``start`` and ``stop``: CUDA events (synchronized) or ``perf_counter``."""
+    """Seconds between ``start`` and ``stop`` (see :func:`clock_kind`)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.kind = clock_kind(device)
+        self._now = time.thread_time if self.kind == "thread-cpu" else time.perf_counter
 
     def start(self) -> Any:
-        if self.cuda:
+        if self.kind == "cuda-events":
             torch.cuda.synchronize()
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self._now()
 
     def stop(self, t0: Any) -> float:
-        if self.cuda:
+        if self.kind == "cuda-events":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             torch.cuda.synchronize()
             return t0.elapsed_time(ev) / 1e3
-        return time.perf_counter() - t0
+        return self._now() - t0
 
 
 def _kept_bytes_cpu(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext) -> int:

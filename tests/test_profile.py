@@ -114,6 +114,13 @@ def test_cache_key_changes_with_shape_graph_optimizer_and_dtype() -> None:
     base, fields = profile_key(g, SHAPE, MB, "sgd", "cpu")
     assert fields["torch"] == torch.__version__ and fields["device"] == "cpu"
     assert profile_key(g, SHAPE, MB, "sgd", "cpu")[0] == base
+    assert fields["clock"] == "thread-cpu"  # the autouse fixture runs tests with one thread
+    torch.set_num_threads(2)  # CPU times depend on the thread count, and so does the clock
+    try:
+        key2, fields2 = profile_key(g, SHAPE, MB, "sgd", "cpu")
+    finally:
+        torch.set_num_threads(1)
+    assert key2 != base and fields2["clock"] == "wall"
     assert profile_key(g, (4, 12), MB, "sgd", "cpu")[0] != base
     assert profile_key(g, SHAPE, MB + 1, "sgd", "cpu")[0] != base
     assert profile_key(g, SHAPE, MB, "adamw", "cpu")[0] != base
