@@ -179,7 +179,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
         return states
 
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
-               disable=not engine.is_main, dynamic_ncols=True, leave=False)
+               disable=not engine.is_main, dynamic_ncols=True, leave=False, mininterval=_bar_interval())
     metrics = (out / METRICS_NAME).open("a") if engine.is_main else None
     try:
         for step in range(start, t.steps):
@@ -224,7 +224,7 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
     calib = data.calib_batches(s.bn_calib_batches, s.calib_batch_size)
     evals: dict[Arch, EvalResult] = {}
     bar = tqdm(total=s.budget, desc=f"search ({s.algorithm})", unit="arch", file=sys.stderr,
-               disable=not engine.is_main, dynamic_ncols=True, leave=False)
+               disable=not engine.is_main, dynamic_ncols=True, leave=False, mininterval=_bar_interval())
 
     def scorer(arch: Arch) -> float:
         evals[arch] = engine.evaluate(arch, val, calib)
@@ -244,6 +244,11 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
     finally:
         bar.close()
     return result, evals
+
+
+def _bar_interval() -> float:
+    """Seconds between progress-bar redraws: fewer when stderr goes to a file or a pipe."""
+    return 0.1 if sys.stderr.isatty() else 5.0
 
 
 def _finite(x: float) -> float | None:
