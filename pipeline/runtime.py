@@ -174,7 +174,7 @@ class PipelineEngine:
                 state = self.tensors.export(mv.op_id)
                 keys = sorted(state)
                 sent_bytes += self.transport.send([state[k] for k in keys], mv.dst,
-                                                  json.dumps([mv.op_id, keys]).encode())
+                                                  json.dumps([mv.op_id, keys]).encode(), pack=True)
             elif mv.dst == self.rank:
                 tensors, meta = self.transport.recv(mv.src)
                 op_id, keys = json.loads(meta)
@@ -359,7 +359,7 @@ class PipelineEngine:
                         out[op_id] = {k: v.detach().cpu().clone() for k, v in state.items()}
                     else:
                         keys = sorted(state)
-                        self.transport.send([state[k] for k in keys], 0, json.dumps(keys).encode())
+                        self.transport.send([state[k] for k in keys], 0, json.dumps(keys).encode(), pack=True)
                 elif self.rank == 0:
                     tensors, meta = self.transport.recv(owner)
                     out[op_id] = {k: t.cpu() for k, t in zip(json.loads(meta), tensors)}

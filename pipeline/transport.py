@@ -2,16 +2,19 @@
 
 A message is a list of tensors (``None`` allowed: "no gradient flows here") plus optional
 bytes of metadata. It travels as a fixed-size int64 header (count, dtypes, shapes, metadata
-length), an overflow header when the first is too small, the metadata bytes, and then one
-contiguous buffer per tensor, each received into its own fresh allocation (so a received
-tensor is laid out exactly like one computed in place). Sends are posted asynchronously and
-kept alive until ``flush``; receives wait with a timeout, so a dead peer never hangs a rank.
+length, packing), an overflow header when the first is too small, the metadata bytes, and then
+the payload: one contiguous buffer per tensor, each received into its own fresh allocation (so
+a received activation is laid out exactly like one computed in place), or, packed, one flat
+buffer per dtype (migration and gathers: fewer messages on a latency-bound link). Sends are
+posted asynchronously and kept alive until ``flush``; once a header is in, all buffers of the
+message are posted together; every wait has a timeout, so a dead peer never hangs a rank.
 Messages between a pair of ranks in one direction arrive in the order they were sent, which is
 what NCCL requires and what the schedules guarantee.
 """
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Sequence
 
 import torch
@@ -45,10 +48,15 @@ class Transport:
         self._pending: list[tuple[dist.Work, int, torch.Tensor]] = []
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, tensors: Sequence[torch.Tensor | None], dst: int, meta: bytes = b"") -> int:
-        """Post a message to ``dst`` without waiting; returns the payload bytes."""
-        words = [len(tensors), len(meta)]
-        bufs = []
+    def send(self, tensors: Sequence[torch.Tensor | None], dst: int, meta: bytes = b"", pack: bool = False) -> int:
+        """Post a message to ``dst`` without waiting; returns the payload bytes.
+
+        ``pack=True`` sends all tensors of one dtype as one flat buffer (fewer messages: for
+        migration and gathers, whose receiver copies the tensors anyway); otherwise each tensor
+        travels, and arrives, as its own buffer.
+        """
+        words = [len(tensors), len(meta), int(pack)]
+        bufs: list[torch.Tensor] = []
         for t in tensors:
             if t is None:
                 words.append(-1)
@@ -57,6 +65,8 @@ class Transport:
                 raise TransportError(f"cannot send dtype {t.dtype}; supported: {_DTYPES}")
             words += [_CODE[t.dtype], t.dim(), *t.shape]
             bufs.append(t.detach().contiguous())
+        if pack:
+            bufs = [torch.cat([b.reshape(-1) for b in bufs if b.dtype == dt]) for dt in _dtypes_in_order(bufs)]
         header = torch.zeros(_HEADER, dtype=torch.int64)
         total = len(words) + 1
         header[0] = total
@@ -80,33 +90,54 @@ class Transport:
 
     # -- receiving -------------------------------------------------------------------------
     def recv(self, src: int) -> tuple[list[torch.Tensor | None], bytes]:
-        """Receive one message from ``src`` (blocks up to the timeout)."""
-        header = self._recv_into(torch.empty(_HEADER, dtype=torch.int64, device=self.device), src)
-        header = header.cpu().tolist()
+        """Receive one message from ``src`` (blocks up to the timeout). Once the header is in,
+        every buffer of the message is posted at once and then waited for."""
+        header = self._recv_now(torch.empty(_HEADER, dtype=torch.int64, device=self.device), src).cpu().tolist()
         total = header[0]
         words = header[1:total] if total <= _HEADER else header[1:]
         if total > _HEADER:
-            more = self._recv_into(torch.empty(total - _HEADER, dtype=torch.int64, device=self.device), src)
+            more = self._recv_now(torch.empty(total - _HEADER, dtype=torch.int64, device=self.device), src)
             words += more.cpu().tolist()
-        count, meta_len = words[0], words[1]
-        meta = b""
-        if meta_len:
-            meta = bytes(self._recv_into(torch.empty(meta_len, dtype=torch.uint8, device=self.device), src).cpu().numpy())
-        out: list[torch.Tensor | None] = []
-        i = 2
+        count, meta_len, packed = words[0], words[1], bool(words[2])
+        specs: list[tuple[torch.dtype, list[int]] | None] = []
+        i = 3
         for _ in range(count):
-            code = words[i]
-            if code == -1:
-                out.append(None)
+            if words[i] == -1:
+                specs.append(None)
                 i += 1
                 continue
             ndim = words[i + 1]
-            shape = words[i + 2 : i + 2 + ndim]
+            specs.append((_DTYPES[words[i]], words[i + 2 : i + 2 + ndim]))
             i += 2 + ndim
-            out.append(self._recv_into(torch.empty(shape, dtype=_DTYPES[code], device=self.device), src))
+        posted: list[tuple[dist.Work, torch.Tensor]] = []
+
+        def post(buf: torch.Tensor) -> torch.Tensor:
+            posted.append((dist.irecv(buf, src), buf))
+            return buf
+
+        meta_buf = post(torch.empty(meta_len, dtype=torch.uint8, device=self.device)) if meta_len else None
+        if packed:
+            real = [sp for sp in specs if sp is not None]
+            flats = {dt: post(torch.empty(sum(math.prod(sh) for d, sh in real if d == dt), dtype=dt, device=self.device))
+                     for dt in _dtypes_in_order([torch.empty(0, dtype=d) for d, _ in real])}
+            offsets = dict.fromkeys(flats, 0)
+            out: list[torch.Tensor | None] = []
+            for sp in specs:
+                if sp is None:
+                    out.append(None)
+                    continue
+                dt, shape = sp
+                n = math.prod(shape)
+                out.append(flats[dt][offsets[dt] : offsets[dt] + n].view(shape))
+                offsets[dt] += n
+        else:
+            out = [None if sp is None else post(torch.empty(sp[1], dtype=sp[0], device=self.device)) for sp in specs]
+        for work, _buf in posted:
+            self._wait(work, "receiving from", src)
+        meta = bytes(meta_buf.cpu().numpy()) if meta_buf is not None else b""
         return out, meta
 
-    def _recv_into(self, buf: torch.Tensor, src: int) -> torch.Tensor:
+    def _recv_now(self, buf: torch.Tensor, src: int) -> torch.Tensor:
         self._wait(dist.irecv(buf, src), "receiving from", src)
         return buf
 
@@ -117,6 +148,10 @@ class Transport:
             raise PeerError(peer, what, _short(e)) from e
         if ok is False:
             raise PeerError(peer, what, f"no answer within {self.timeout.total_seconds():g} s")
+
+
+def _dtypes_in_order(tensors: Sequence[torch.Tensor]) -> list[torch.dtype]:
+    return list(dict.fromkeys(t.dtype for t in tensors))
 
 
 def _short(e: BaseException) -> str:
