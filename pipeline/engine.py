@@ -9,7 +9,7 @@ same arguments, in the same order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -61,6 +61,9 @@ class Engine(Protocol):
     def is_main(self) -> bool: ...
 
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult: ...
+
+    def plan_ahead(self, archs: Sequence[Arch]) -> None:
+        """A hint: the archs that follow the next ``train_step``'s (the sampler's lookahead)."""
 
     def evaluate(self, arch: Arch, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                  calib_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> EvalResult: ...

@@ -8,7 +8,7 @@ op takes one optimizer step. Ops outside the subnet get no gradient and are not 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -43,6 +43,9 @@ class ReferenceEngine:
 
     def _ctx(self, step: int, mb: int, training: bool):
         return lambda op_id: OpContext(self.seed, step, mb, op_id, training)
+
+    def plan_ahead(self, archs: Sequence[Arch]) -> None:
+        """Nothing to plan: one process runs every op."""
 
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()

@@ -23,7 +23,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classifica
 from .costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
 from .partition import Partition, StaticPlanner, make_planner
-from .placement import Move, initial_owners, moves
+from .placement import Move, initial_owners, moves, stages_of
 from .schedule import Action, Schedule, build as build_schedule, forward_only, format_grid, validate
 from .settings import DistEnv, PipelineSettings
 from .tensors import OptimConfig, TensorManager
@@ -74,6 +75,8 @@ class StepStats:
     max_in_flight: int = 0
     migrated_ops: int = 0
     migrated_bytes: int = 0
+    plan_s: float = 0.0  # planning time on the critical path (near zero when planned ahead)
+    planned_ahead: bool = False
 
 
 class PipelineEngine:
@@ -111,6 +114,11 @@ class PipelineEngine:
         self.stats = StepStats()
         self._fault = _parse_fault(os.environ.get("PIPENAS_FAULT"))
         self._started = time.time()  # failure notes older than this engine belong to an earlier attempt
+        self._failed = False
+        self._upcoming: list[Arch] = []
+        self._ahead: dict[tuple, Plan] = {}
+        self._ahead_job: Future | None = None
+        self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-plan")
         self._step = -1
 
     @property
@@ -144,13 +152,53 @@ class PipelineEngine:
                               self.settings.schedule, self.settings.link_bandwidth, self.settings.link_latency_s,
                               self.settings.budgets(self.num_stages))
 
-    def plan(self, arch: Arch) -> Plan:
-        """The partition of ``arch`` given where ops sit now (pure: no messages)."""
+    def _plan_with(self, arch: Arch, owners: Mapping[str, int]) -> Plan:
         active = self.graph.active_ops(arch)
-        previous = {op.op_id: self.owners[op.op_id] for op in active}
+        previous = {op.op_id: owners[op.op_id] for op in active}
         part = self.planner.plan(self._problem(active), previous)
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         return Plan(arch, part, cut(active, part.bounds, self.graph.output), int.from_bytes(h[:7], "little"))
+
+    def _key(self, arch: Arch, owners: Mapping[str, int]) -> tuple:
+        # A plan depends only on the arch and on where its active ops sit now.
+        return arch, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
+
+    def plan(self, arch: Arch) -> Plan:
+        """The partition of ``arch`` given where ops sit now (pure: no messages). Taken from
+        the plans made ahead when one matches, else computed here."""
+        t0 = time.perf_counter()
+        if self._ahead_job is not None:
+            self._ahead_job.result()  # started a step ago: done by now; re-raises its error if any
+            self._ahead_job = None
+        plan = self._ahead.pop(self._key(arch, self.owners), None)
+        self.stats.planned_ahead = plan is not None
+        if plan is None:
+            plan = self._plan_with(arch, self.owners)
+        self.stats.plan_s = time.perf_counter() - t0
+        return plan
+
+    def plan_ahead(self, archs: Sequence[Arch]) -> None:
+        """The subnets that follow the next ``train_step``'s (the sampler's lookahead). Once that
+        step's migration has fixed where ops sit, they are planned in a background thread while
+        the step computes, so planning stays off the critical path. A hint only: a plan that was
+        not made ahead is made when needed, and the result is the same either way."""
+        self._upcoming = list(archs)
+
+    def _start_planning_ahead(self) -> None:
+        if not self._upcoming or self.planner is None:
+            return
+        archs, owners, self._upcoming = self._upcoming, dict(self.owners), []
+        self._ahead = {}
+
+        def chain() -> None:
+            for arch in archs:
+                key = self._key(arch, owners)
+                plan = self._plan_with(arch, owners)
+                self._ahead[key] = plan
+                active = [op for sl in plan.slices for op in sl.ops]
+                owners.update(stages_of(active, plan.partition.bounds))
+
+        self._ahead_job = self._ahead_pool.submit(chain)
 
     def _agree(self, plan: Plan) -> None:
         if not self.settings.check_agreement or self.world_size == 1:
@@ -199,6 +247,7 @@ class PipelineEngine:
             raise self._failure(step, action, e) from e
 
     def _failure(self, step: int, action: Action | str, e: Exception) -> StageFailure:
+        self._failed = True
         where = f"rank {self.rank} (stage {self.rank}) failed at step {step} during {action}"
         cause = f"{type(e).__name__}: {e}"
         if isinstance(e, PeerError):
@@ -253,6 +302,7 @@ class PipelineEngine:
             self._agree(plan)
         with self._failing(step, "migrate"):
             self._migrate(plan)
+            self._start_planning_ahead()
         mine = plan.slices[self.rank]
         runs: dict[int, SliceRun] = {}
         head_grads: dict[int, list] = {}
@@ -373,7 +423,12 @@ class PipelineEngine:
             self.tensors.adopt(op_id, states[op_id])
 
     def close(self) -> None:
+        """Orderly teardown: after a clean run all ranks meet at a barrier before the process
+        group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
+        self._ahead_pool.shutdown(wait=not self._failed, cancel_futures=True)
         if dist.is_initialized():
+            if not self._failed:
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -100,7 +101,25 @@ def cli() -> None:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
-    main()
+    if "WORLD_SIZE" not in os.environ:
+        main()
+        return
+    # Under torchrun: once the engine has torn down its process group and every output is
+    # written, leave without interpreter finalization, where gloo's threads can still hold
+    # work objects and abort the process (pytorch/pytorch#179291, #190489).
+    code: int | str | None = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+            code = 1
+        os._exit(code or 0)
 
 
 if __name__ == "__main__":

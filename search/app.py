@@ -48,6 +48,9 @@ class _RankLog(logging.LoggerAdapter):
         return f"[rank {self.extra['rank']}] {msg}", kwargs
 
 
+PLAN_AHEAD = 2  # subnets of the sampler's lookahead the engine plans in the background
+
+
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None) -> dict[str, Any]:
     """Train, checkpoint and search as ``cfg`` says; returns the summary (on every rank; only
     the main rank has ``params_digest`` and the losses). ``output_dir`` overrides the config's
@@ -185,6 +188,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
         for step in range(start, t.steps):
             arch = sampler.next()
             x, y = data.train_batch(step, t.batch_size)
+            engine.plan_ahead(sampler.peek(min(PLAN_AHEAD, t.steps - step - 1)))  # planned while this step runs
             res = engine.train_step(step, arch, x, y)
             if engine.is_main:
                 finite = math.isfinite(res.loss)

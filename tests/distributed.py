@@ -80,10 +80,12 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs)
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
-    losses, mb_losses, migrated, peaks = [], [], 0, 0
+    losses, mb_losses, migrated, peaks, ahead = [], [], 0, 0, 0
     for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
         x, y = step_data(sc.seed, step, sc.batch)
+        engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
         r = engine.train_step(step, archs[step], x, y)
+        ahead += bool(getattr(getattr(engine, "stats", None), "planned_ahead", False))
         losses.append(r.loss)
         mb_losses.append(list(r.microbatch_losses))
         migrated += r.migrated_ops
@@ -100,7 +102,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     return {
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
-        "migrated": migrated, "peak_in_flight": peaks, "engine": engine,
+        "migrated": migrated, "peak_in_flight": peaks, "planned_ahead": ahead, "engine": engine,
     }
 
 
@@ -131,6 +133,9 @@ def _worker() -> None:
         os.replace(tmp, spec["out"])
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the CLI does under torchrun: no interpreter finalization with gloo threads about
 
 
 def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_extra: dict | None = None,

@@ -54,6 +54,7 @@ def test_pipeline_is_bit_identical_to_reference(stages: int) -> None:
         assert got["digest"] == ref["digest"], f"{label}: final params_digest differs"
         assert got["peak_in_flight"] == expected_peaks(sc.schedule, stages, sc.microbatches), label
         migrated[sc.space] = migrated.get(sc.space, 0) + got["migrated"]
+        assert got["planned_ahead"] == sc.steps - 1, f"{label}: steps after the first should use plans made ahead"
     if stages > 1:
         for space, n in migrated.items():
             assert n > 0, f"no op migrated in the {space} runs at P={stages}: the test would not cover migration"
