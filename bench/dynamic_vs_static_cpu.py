@@ -6,7 +6,8 @@ costs from ~0 to several ms, so where to cut matters), batches of 32 samples of 
 features, SGD with momentum, 1F1B, M in {4, 8}. Every rank plans with the measured profile
 (pipeline.profile.shared_profile, measured afresh at the start of the run and passed as
 PipelineEngine(costs=...)) and the link measured with the runtime's transport. The planners
-(dynamic with --eps, static, equal, and dynamic with each --extra-eps) run in the SAME
+(dynamic with the step objective, static, equal, and dynamic with the minmax objective at each
+--extra-eps) run in the SAME
 invocation on the same arch stream and data: one engine per planner, stepped in turn (step k of
 each, then step k + 1), so they see the same machine load.
 
@@ -42,7 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn, time_migrations  # noqa: E402
 
-SPACE = dict(layers=8, width=256, candidates=["ffn8", "identity", "attn4", "conv5"])
+SPACES = {
+    # NASPipe-like mix: per-layer candidate costs spread moderately (the gain is a few per cent)
+    "mix": dict(layers=8, width=256, candidates=["ffn8", "identity", "attn4", "conv5"]),
+    # strongly skewed costs: a wide FFN or nothing; a static split is often far off balance
+    "skewed": dict(layers=6, width=256, candidates=["ffn16", "identity"]),
+}
+SPACE = SPACES["mix"]  # the one in use (set from --space)
 SAMPLE = (16, 32)
 BATCH = 32
 P = 2
@@ -53,6 +60,8 @@ SCHEDULE = "1f1b"
 def _graph():
     from supernet.spaces import build_space
 
+    global SPACE
+    SPACE = SPACES[os.environ.get("PIPENAS_BENCH_SPACE", "mix")]
     return build_space("transformer", input_shape=SAMPLE, num_classes=10, **SPACE)
 
 
@@ -109,10 +118,12 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                                use_cache=spec["cached_profile"])
         engines, boxes = {}, {}
         for label, planner, eps in spec["planners"]:
+            objective = "minmax" if label.startswith("dynamic_minmax") else "step"
             engines[label] = PipelineEngine(
                 graph, spec["seed"], optim, M, lr,
                 PipelineSettings(schedule=SCHEDULE, planner=planner, eps=eps, timeout_s=120.0,
-                                 link_bandwidth=bandwidth, link_latency_s=latency),
+                                 link_bandwidth=bandwidth, link_latency_s=latency, objective=objective,
+                                 migration_overhead_s=spec["migration_overhead_s"]),
                 DistEnv(rank, world, rank), torch.device("cpu"), costs=table)
             boxes[label] = [0.0]
             time_migrations(engines[label], boxes[label])
@@ -199,15 +210,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eps", type=float, default=0.05)
-    ap.add_argument("--extra-eps", type=float, nargs="*", default=[0.25],
+    ap.add_argument("--space", choices=sorted(SPACES), default="mix")
+    ap.add_argument("--migration-overhead", type=float, default=2e-3,
+                    help="pipeline.migration_overhead_s of the dynamic planner (seconds per moved op)")
+    ap.add_argument("--extra-eps", type=float, nargs="*", default=[0.05],
                     help="also run the dynamic planner with these eps (fewer migrations)")
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--cached-profile", action="store_true",
                     help="reuse a cached profile (default: measure afresh, under this run's machine load)")
     args = ap.parse_args()
+    os.environ["PIPENAS_BENCH_SPACE"] = args.space  # the spawned ranks build the same space
     planners = [("dynamic", "dynamic", args.eps), ("static", "static", args.eps), ("equal", "equal", args.eps),
-                *((f"dynamic_eps{e:g}", "dynamic", e) for e in args.extra_eps)]
-    spec = {"seed": args.seed, "steps": args.steps, "planners": planners, "microbatches": args.microbatches,
+                *((f"dynamic_minmax_eps{e:g}", "dynamic", e) for e in args.extra_eps)]
+    spec = {"migration_overhead_s": args.migration_overhead, "seed": args.seed, "steps": args.steps, "planners": planners, "microbatches": args.microbatches,
             "threads": 1, "timeout_s": 600, "cached_profile": args.cached_profile}
     progress(f"{P} gloo ranks, planners {[p[0] for p in planners]}, M in {args.microbatches}, "
              f"{args.steps} steps each ...")
@@ -218,7 +233,7 @@ def main() -> None:
     for setting in res["settings"]:
         M = setting["M"]
         row = {"bench": "dynamic_vs_static_cpu", "P": P, "M": M, "schedule": SCHEDULE, "batch": BATCH,
-               "space": dict(SPACE, name="transformer", sample=list(SAMPLE)), "eps": args.eps,
+               "space": dict(SPACES[args.space], name="transformer", key=args.space, sample=list(SAMPLE)), "eps": args.eps,
                "steps_measured": args.steps - args.warmup, "link": res["link"]}
         setting_err, setting_err_pipe, losses = [], [], {}
         for label, _, _ in planners:

@@ -60,12 +60,14 @@ def layer_cost_cv(graph, table: CostTable) -> dict:
             "time_max_ms": float(t.max() * 1e3), "param_bytes_cv": float(p.std() / p.mean())}
 
 
-def run_setting(graph, table, archs, P, M, link, eps, extra_eps=()) -> dict:
+def run_setting(graph, table, archs, P, M, link, eps, extra_eps=(), objective="step") -> dict:
     schedule = build_schedule(SCHEDULE, P, M)
     kw = dict(num_stages=P, num_microbatches=M, schedule=SCHEDULE, bandwidth=link["bandwidth"],
               latency=link["latency_s"])
-    planners = {"dynamic": DynamicPlanner(eps), "static": StaticPlanner.from_problem(mean_problem(graph, table, **kw)),
-                "oracle": OraclePlanner(), **{f"dynamic_eps{e:g}": DynamicPlanner(e) for e in extra_eps}}
+    planners = {"dynamic": DynamicPlanner(eps, objective=objective),
+                "static": StaticPlanner.from_problem(mean_problem(graph, table, **kw)), "oracle": OraclePlanner(),
+                **({"dynamic_minmax": DynamicPlanner(eps)} if objective == "step" else {}),
+                **{f"dynamic_eps{e:g}": DynamicPlanner(e) for e in extra_eps}}
     actives = [graph.active_ops(a) for a in archs]
     problems = [subnet_problem(graph, act, table, P, M, SCHEDULE, link["bandwidth"], link["latency_s"])
                 for act in actives]
@@ -126,6 +128,9 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=0.05)
     ap.add_argument("--extra-eps", type=float, nargs="*", default=[0.0, 0.02],
                     help="also run the dynamic planner with these eps (sensitivity)")
+    ap.add_argument("--objective", choices=["step", "minmax"], default="step",
+                    help="the dynamic planner's objective (the runtime's pipeline.objective); with 'step' the "
+                         "minmax planner runs too, as dynamic_minmax")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
@@ -154,14 +159,14 @@ def main() -> None:
         for P in args.stages:
             for M in args.microbatches:
                 t0 = time.perf_counter()
-                res = run_setting(graph, table, archs, P, M, link, args.eps, args.extra_eps)
+                res = run_setting(graph, table, archs, P, M, link, args.eps, args.extra_eps, args.objective)
                 progress(f"{source} P={P} M={M}: {time.perf_counter() - t0:.1f} s, "
                          f"dynamic/static {res['dynamic_over_static']:.3f}, "
                          f"dynamic/oracle {res['dynamic_over_oracle']:.3f}")
                 rows.append({
                     "bench": "naspipe_planner", "source": source, "cost_source": table.source,
                     "width": cfg["width"], "microbatch": cfg["microbatch"], "sample_shape": list(cfg["sample_shape"]),
-                    "layers": 48, "candidates": 24, "P": P, "M": M, "schedule": SCHEDULE, "eps": args.eps,
+                    "layers": 48, "candidates": 24, "P": P, "M": M, "schedule": SCHEDULE, "eps": args.eps, "objective": args.objective,
                     "subnets": args.subnets, "seed": args.seed, "link": link, "layer_cost_cv": cv,
                     **res, "baseline": "static (StaticPlanner.from_problem(mean_problem)) and oracle, same run",
                     "loadavg": os.getloadavg()[0],

@@ -139,7 +139,8 @@ class PipelineEngine:
     def _make_planner(self):
         name = self.settings.planner
         if name == "dynamic":
-            return make_planner(name, eps=self.settings.eps)
+            return make_planner(name, eps=self.settings.eps, objective=self.settings.objective,
+                                move_latency=self.settings.link_latency_s + self.settings.migration_overhead_s)
         if name == "static":
             return StaticPlanner.from_problem(mean_problem(
                 self.graph, self.costs, num_stages=self.num_stages, num_microbatches=self.microbatches,

@@ -17,6 +17,11 @@ class PipelineSettings:
     ``stages``: pipeline depth; ``None`` means the world size (one stage per process).
     ``schedule``: ``gpipe`` or ``1f1b``. ``planner``: how each subnet is partitioned.
     ``eps``: the migration-aware planner's slack over the optimal slowest-stage time.
+    ``objective``: the dynamic planner's choice: ``step`` weighs migration time against the
+    step time a better balance saves; ``minmax`` takes the fewest moved bytes within ``eps``.
+    ``migration_overhead_s``: what moving one op costs beyond its bytes on the link (messages,
+    rebuilding the op and its optimizer); ``step`` charges it per moved op. Measured on a
+    2-process CPU/gloo run at a few ms (bench/dynamic_vs_static_cpu.py); far less on GPUs.
     ``timeout_s``: every wait on another rank gives up after this long, and the job exits.
     ``backend``: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
     ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the link model the planner charges for
@@ -28,6 +33,8 @@ class PipelineSettings:
     schedule: str = "1f1b"
     planner: str = "dynamic"
     eps: float = 0.05
+    objective: str = "step"
+    migration_overhead_s: float = 2e-3
     timeout_s: float = 60.0
     backend: str = "auto"
     check_agreement: bool = True
@@ -45,6 +52,10 @@ class PipelineSettings:
             raise ValueError(f"pipeline.schedule: expected one of {list(SCHEDULES)}, found {self.schedule!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"pipeline.planner: expected one of {list(PLANNERS)}, found {self.planner!r}")
+        if self.objective not in ("step", "minmax"):
+            raise ValueError(f"pipeline.objective: expected 'step' or 'minmax', found {self.objective!r}")
+        if not self.migration_overhead_s >= 0:
+            raise ValueError(f"pipeline.migration_overhead_s: expected seconds >= 0, found {self.migration_overhead_s!r}")
         if not self.eps >= 0:
             raise ValueError(f"pipeline.eps: expected a number >= 0, found {self.eps!r}")
         if not self.timeout_s > 0:

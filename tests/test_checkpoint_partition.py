@@ -14,7 +14,7 @@ pytestmark = pytest.mark.dist
 @pytest.mark.parametrize("space,optimizer", [("conv", "sgd"), ("cell", "adamw")])
 def test_resume_with_other_stage_counts_matches_uninterrupted_run(tmp_path, space: str, optimizer: str) -> None:
     torch.set_num_threads(1)
-    full = Scenario(space, "1f1b", steps=6, optimizer=optimizer, extra={"eps": 0.0})
+    full = Scenario(space, "1f1b", steps=6, optimizer=optimizer, extra={"eps": 0.0, "objective": "minmax"})
     ref = run_scenario(full)
     ckpt = str(tmp_path / "ops.pt")
 

@@ -288,3 +288,54 @@ def test_time_solve_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert median > 0  # a smoke run: never assert wall-clock figures
     with capsys.disabled():
         print(f"\nsolve(N=50, P=8) median {median * 1e3:.2f} ms")
+
+
+# ------------------------------------------------------------------ step-time-aware objective
+
+
+def _move_seconds(problem, part, previous):
+    assign = part.assignment([op.op_id for op in problem.ops])
+    return sum(problem.latency + (op.param_bytes + op.optim_bytes) / problem.bandwidth
+               for op in problem.ops if op.op_id in previous and previous[op.op_id] != assign[op.op_id])
+
+
+def test_step_objective_is_never_worse_than_the_eps_tie_break() -> None:
+    from pipeline.partition import STEP_GRID, predicted_step, solve_step
+
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(150):
+        p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
+        prev = {op.op_id: int(rng.integers(0, p.num_stages)) for op in p.ops}
+        try:
+            best = solve_step(p, prev)
+        except PartitionError:
+            with pytest.raises(PartitionError):
+                solve(p, prev)
+            continue
+        assert best.fits_memory
+        score = predicted_step(p, best, _move_seconds(p, best, prev))
+        for eps in STEP_GRID:
+            other = solve(p, prev, eps)
+            assert score <= predicted_step(p, other, _move_seconds(p, other, prev)) * (1 + 1e-9)
+        checked += 1
+    assert checked > 50
+
+
+def test_step_objective_without_owners_is_balanced_at_least_as_well_as_the_grid_allows() -> None:
+    from pipeline.partition import STEP_GRID, solve_step
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
+        try:
+            opt = solve(p)
+        except PartitionError:
+            continue
+        assert solve_step(p).max_time <= (1 + max(STEP_GRID)) * opt.max_time * (1 + 1e-9)
+
+
+def test_dynamic_planner_objective_is_validated() -> None:
+    assert make_planner("dynamic", objective="step").objective == "step"
+    with pytest.raises(PartitionError, match="objective"):
+        make_planner("dynamic", objective="fastest")
