@@ -184,6 +184,7 @@ class _Tables:
     comm: np.ndarray       # (N+1,) 2 * (latency + cut / bandwidth)
     in_flight: np.ndarray  # (P,) int64
     moved: np.ndarray      # (P, N+1) prefix of bytes that move if stage s takes the op, int64
+    moved_ops: np.ndarray  # (P, N+1) prefix of the number of ops that move if stage s takes them
     budget: np.ndarray     # (P,) float, inf when unlimited
 
 
@@ -193,6 +194,7 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _T
     state = np.array([op.param_bytes + op.optim_bytes for op in ops], dtype=np.int64)
     cut = np.array(problem.cut_bytes, dtype=np.int64)
     moves = np.zeros((P, len(ops)), dtype=np.int64)
+    moving = np.zeros((P, len(ops)), dtype=np.int64)  # 1 where the op would change owner
     if previous is not None:
         for k, op in enumerate(ops):
             owner = previous.get(op.op_id)
@@ -201,6 +203,7 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _T
             if not _is_int(owner):
                 raise PartitionError(f"previous[{op.op_id!r}]: expected a stage index (int), found {owner!r}")
             moves[:, k] = np.where(np.arange(P) == owner, 0, state[k])
+            moving[:, k] = np.arange(P) != owner
     budget = problem.memory_budget if problem.memory_budget is not None else (math.inf,) * P
     return _Tables(
         P=P,
@@ -211,6 +214,7 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _T
         comm=2.0 * (problem.latency + cut / problem.bandwidth),
         in_flight=np.array(in_flight(problem.schedule, P, problem.num_microbatches), dtype=np.int64),
         moved=np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(moves, axis=1)), axis=1),
+        moved_ops=np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(moving, axis=1)), axis=1),
         budget=np.array(budget, dtype=float),
     )
 
@@ -259,6 +263,22 @@ def evaluate(problem: PartitionProblem, bounds: Sequence[int],
 # ---------------------------------------------------------------------------------- solver
 
 
+def _grids(t: _Tables, n: int) -> tuple[np.ndarray, list, list, list, list]:
+    """Per stage s, for every op range [i, j): the time where memory fits (inf elsewhere), the
+    time regardless of memory, the moved bytes and the memory; plus the mask i <= j."""
+    idx = np.arange(n + 1)
+    I, J = idx[:, None], idx[None, :]
+    upper = I <= J
+    fit, raw, moved, mem = [], [], [], []
+    for s in range(t.P):
+        time_, memory, mv = _stage_cost(t, s, I, J)
+        fit.append(np.where(upper & (memory <= t.budget[s]), time_, np.inf))
+        raw.append(np.where(upper, time_, np.inf))
+        moved.append(mv)
+        mem.append(memory)
+    return upper, fit, raw, moved, mem
+
+
 def _minmax_dp(mats: list[np.ndarray]) -> tuple[float, tuple[int, ...]]:
     """min over bounds of max_s mats[s][b_s, b_{s+1}]; returns the value and a minimiser."""
     best, args = mats[0][0], []
@@ -300,15 +320,8 @@ def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, 
         raise PartitionError(f"eps: expected a finite non-negative number, found {eps!r}")
     t = _tables(problem, previous)
     N, P = problem.num_ops, problem.num_stages
-    idx = np.arange(N + 1)
-    I, J = idx[:, None], idx[None, :]
-    upper = I <= J
-    T, MV, MEM = [], [], []
-    for s in range(P):
-        time_, memory, moved = _stage_cost(t, s, I, J)
-        T.append(np.where(upper & (memory <= t.budget[s]), time_, np.inf))
-        MV.append(moved.astype(float))  # integral, exact below 2**53 bytes
-        MEM.append(memory)
+    upper, T, _, moved, MEM = _grids(t, N)
+    MV = [m.astype(float) for m in moved]  # integral, exact below 2**53 bytes
 
     optimum, _ = _minmax_dp(T)
     if not math.isfinite(optimum):
@@ -362,24 +375,11 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
     lat = problem.latency if move_latency is None else move_latency
     t = _tables(problem, previous)
     N, P = problem.num_ops, problem.num_stages
-    state = np.array([op.param_bytes + op.optim_bytes for op in problem.ops], dtype=float)
-    per_op = lat + state / bw  # seconds to move each op
-    moves = np.zeros((P, N))
-    if previous is not None:
-        for k, op in enumerate(problem.ops):
-            owner = previous.get(op.op_id)
-            if owner is not None:
-                moves[:, k] = np.where(np.arange(P) == owner, 0.0, per_op[k])
-    move_prefix = np.concatenate((np.zeros((P, 1)), np.cumsum(moves, axis=1)), axis=1)
+    upper, T, RAW, moved, MEM = _grids(t, N)
     idx = np.arange(N + 1)
     I, J = idx[:, None], idx[None, :]
-    upper = I <= J
-    T, ADD, MEM = [], [], []
-    for s in range(P):
-        time_, memory, _ = _stage_cost(t, s, I, J)
-        T.append(np.where(upper & (memory <= t.budget[s]), time_, np.inf))
-        ADD.append(np.where(upper, time_ + (move_prefix[s][J] - move_prefix[s][I]), np.inf))
-        MEM.append(memory)
+    move_s = [moved[s] / bw + lat * (t.moved_ops[s][J] - t.moved_ops[s][I]) for s in range(P)]
+    ADD = [RAW[s] + move_s[s] for s in range(P)]
     optimum, _ = _minmax_dp(T)
     if not math.isfinite(optimum):
         raise _infeasible(problem, t, MEM, upper)
@@ -397,9 +397,8 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
         for s in range(P):
             i = int(arg[s][i])
             bounds.append(i)
-        b = np.asarray(bounds)
         part = _make_partition(t, bounds)
-        secs = float(sum(move_prefix[s][b[s + 1]] - move_prefix[s][b[s]] for s in range(P)))
+        secs = float(sum(move_s[s][bounds[s], bounds[s + 1]] for s in range(P)))
         score = predicted_step(problem, part, secs)
         if best is None or score < best[0] * (1 - 1e-12):
             best = (score, tuple(bounds))
