@@ -86,7 +86,7 @@ class TensorManager:
         """Take ownership of an op from its flat state (weights, buffers, optimizer state)."""
         spec = self._slot(op_id).spec
         with torch.device("meta"):
-            module = build_op(spec, op_id, self.seed)
+            module = build_op(spec, op_id, self.seed, seeded=False)
         module = module.to_empty(device=self.device)
         with torch.no_grad():
             for name, p in module.named_parameters():

@@ -82,8 +82,11 @@ class OpContext:
         return g
 
 
-def build_op(spec: OpSpec, op_id: str, seed: int) -> nn.Module:
-    """Build the op ``spec`` with initial weights derived from ``(seed, op_id)`` only."""
+def build_op(spec: OpSpec, op_id: str, seed: int, seeded: bool = True) -> nn.Module:
+    """Build the op ``spec`` with initial weights derived from ``(seed, op_id)`` only.
+
+    ``seeded=False`` skips seeding, for a module whose values will be overwritten anyway (one
+    built on the meta device to receive a migrating op's state)."""
     _load_builtins()
     try:
         builder = _REGISTRY[spec.kind]
@@ -93,12 +96,15 @@ def build_op(spec: OpSpec, op_id: str, seed: int) -> nn.Module:
             f"op {op_id!r}: unknown op kind {spec.kind!r}; registered ops are: {known}. "
             "Register a new one with @supernet.register_op(name)."
         ) from None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(seed, "init", op_id))
-        try:
+    try:
+        if seeded:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(seed, "init", op_id))
+                module = builder(**spec.kwargs())
+        else:
             module = builder(**spec.kwargs())
-        except TypeError as e:
-            raise OpError(f"op {op_id!r}: bad arguments for {spec}: {e}") from None
+    except TypeError as e:
+        raise OpError(f"op {op_id!r}: bad arguments for {spec}: {e}") from None
     if not isinstance(module, nn.Module):
         raise OpError(f"op {op_id!r}: builder for {spec.kind!r} returned {type(module).__name__}, expected nn.Module")
     return module
