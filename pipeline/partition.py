@@ -30,9 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from functools import lru_cache
+
 import numpy as np
 
-from .schedule import SCHEDULES, in_flight
+from .schedule import SCHEDULES, Schedule, build as build_schedule, in_flight
+from .simulate import makespan
 
 __all__ = [
     "predicted_step", "solve_step", "STEP_GRID",
@@ -263,20 +266,19 @@ def evaluate(problem: PartitionProblem, bounds: Sequence[int],
 # ---------------------------------------------------------------------------------- solver
 
 
-def _grids(t: _Tables, n: int) -> tuple[np.ndarray, list, list, list, list]:
+def _grids(t: _Tables, n: int) -> tuple[np.ndarray, list, list, list]:
     """Per stage s, for every op range [i, j): the time where memory fits (inf elsewhere), the
-    time regardless of memory, the moved bytes and the memory; plus the mask i <= j."""
+    moved bytes and the memory; plus the mask i <= j."""
     idx = np.arange(n + 1)
     I, J = idx[:, None], idx[None, :]
     upper = I <= J
-    fit, raw, moved, mem = [], [], [], []
+    fit, moved, mem = [], [], []
     for s in range(t.P):
         time_, memory, mv = _stage_cost(t, s, I, J)
         fit.append(np.where(upper & (memory <= t.budget[s]), time_, np.inf))
-        raw.append(np.where(upper, time_, np.inf))
         moved.append(mv)
         mem.append(memory)
-    return upper, fit, raw, moved, mem
+    return upper, fit, moved, mem
 
 
 def _minmax_dp(mats: list[np.ndarray]) -> tuple[float, tuple[int, ...]]:
@@ -308,6 +310,32 @@ def _infeasible(problem: PartitionProblem, t: _Tables, memory: list[np.ndarray],
         f"M={problem.num_microbatches}).", short_by=short, stage=s)
 
 
+def _fewest_moves(T: list, MV: list, threshold: float, N: int, P: int) -> tuple[int, ...]:
+    """The bounds with every stage's time <= ``threshold`` that move the fewest bytes, then have
+    the smallest slowest stage, then the smallest bounds (``T`` is inf where memory does not fit)."""
+    # Suffix DP over (stage, first op): lexicographic min of (moved bytes, slowest stage).
+    ga = [np.full(N + 1, np.inf) for _ in range(P + 1)]
+    gb = [np.full(N + 1, np.inf) for _ in range(P + 1)]
+    ga[P][N] = gb[P][N] = 0.0
+    for s in reversed(range(P)):
+        ca = np.where(np.isfinite(T[s]) & (T[s] <= threshold), MV[s] + ga[s + 1][None, :], np.inf)
+        cb = np.maximum(T[s], gb[s + 1][None, :])
+        ga[s] = ca.min(axis=1)
+        gb[s] = np.where(np.isfinite(ga[s]), np.where(ca == ga[s][:, None], cb, np.inf).min(axis=1), np.inf)
+
+    # Walk forward taking the smallest next bound that can still reach (moved, slowest) exactly.
+    best_moved, best_time = ga[0][0], gb[0][0]
+    bounds, i, remaining = [0], 0, best_moved
+    for s in range(P):
+        ok = (np.isfinite(T[s][i]) & (T[s][i] <= threshold) & (MV[s][i] + ga[s + 1] == remaining)
+              & (np.maximum(T[s][i], gb[s + 1]) <= best_time))
+        j = int(np.flatnonzero(ok)[0])
+        remaining -= MV[s][i, j]
+        bounds.append(j)
+        i = j
+    return tuple(bounds)
+
+
 def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, eps: float = 0.0) -> Partition:
     """The exact memory-feasible min-max partition, migration-aware within ``(1 + eps)``.
 
@@ -320,7 +348,7 @@ def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, 
         raise PartitionError(f"eps: expected a finite non-negative number, found {eps!r}")
     t = _tables(problem, previous)
     N, P = problem.num_ops, problem.num_stages
-    upper, T, _, moved, MEM = _grids(t, N)
+    upper, T, moved, MEM = _grids(t, N)
     MV = [m.astype(float) for m in moved]  # integral, exact below 2**53 bytes
 
     optimum, _ = _minmax_dp(T)
@@ -328,80 +356,60 @@ def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, 
         raise _infeasible(problem, t, MEM, upper)
     threshold = (1.0 + eps) * optimum * (1.0 + REL_SLACK)
 
-    # Suffix DP over (stage, first op): lexicographic min of (moved bytes, slowest stage).
-    ga = [np.full(N + 1, np.inf) for _ in range(P + 1)]
-    gb = [np.full(N + 1, np.inf) for _ in range(P + 1)]
-    ga[P][N] = gb[P][N] = 0.0
-    for s in reversed(range(P)):
-        ca = np.where(T[s] <= threshold, MV[s] + ga[s + 1][None, :], np.inf)
-        cb = np.maximum(T[s], gb[s + 1][None, :])
-        ga[s] = ca.min(axis=1)
-        gb[s] = np.where(np.isfinite(ga[s]), np.where(ca == ga[s][:, None], cb, np.inf).min(axis=1), np.inf)
-
-    # Walk forward taking the smallest next bound that can still reach (moved, slowest) exactly.
-    best_moved, best_time = ga[0][0], gb[0][0]
-    bounds, i, remaining = [0], 0, best_moved
-    for s in range(P):
-        ok = ((T[s][i] <= threshold) & (MV[s][i] + ga[s + 1] == remaining)
-              & (np.maximum(T[s][i], gb[s + 1]) <= best_time))
-        j = int(np.flatnonzero(ok)[0])
-        remaining -= MV[s][i, j]
-        bounds.append(j)
-        i = j
-    return _make_partition(t, bounds)
+    return _make_partition(t, _fewest_moves(T, MV, threshold, N, P))
 
 
-STEP_GRID = (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.35)
+STEP_GRID = (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.35, math.inf)  # inf: move as little as fits
 
 
-def predicted_step(problem: PartitionProblem, part: Partition, move_seconds: float) -> float:
-    """A schedule-level estimate of one step: every stage's work once (fill and drain) plus
-    M - 1 more rounds of the slowest stage, plus the migration that precedes the step."""
-    return sum(part.stage_times) + (problem.num_microbatches - 1) * part.max_time + move_seconds
+def predicted_step(problem: PartitionProblem, part: Partition, move_seconds: float,
+                   schedule: Schedule | None = None) -> float:
+    """One step's predicted time plus the migration that precedes it. With ``schedule``: the
+    schedule replayed with the partition's per-stage forward/backward sums and per-cut sends
+    (:func:`pipeline.simulate.makespan`). Without: every stage's work once (fill and drain)
+    plus M - 1 more rounds of the slowest stage."""
+    if schedule is None:
+        return sum(part.stage_times) + (problem.num_microbatches - 1) * part.max_time + move_seconds
+    b = part.bounds
+    fwd = [sum(op.fwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(problem.num_stages)]
+    bwd = [sum(op.bwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(problem.num_stages)]
+    send = [problem.latency + problem.cut_bytes[b[c + 1]] / problem.bandwidth for c in range(problem.num_stages - 1)]
+    return makespan(schedule, fwd, bwd, send) + move_seconds
 
 
 def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = None,
                move_bandwidth: float | None = None, move_latency: float | None = None,
-               grid: Sequence[float] = STEP_GRID) -> Partition:
+               grid: Sequence[float] = STEP_GRID, schedule: Schedule | None = None) -> Partition:
     """The memory-feasible partition that minimises :func:`predicted_step`, migration included.
 
     Migration is charged per moved op as ``latency + (param + optim bytes) / bandwidth`` (the
-    problem's link unless given). For each threshold ``(1 + e) * optimum`` of ``grid`` an
-    additive DP finds the split with every stage under the threshold that minimises the sum of
-    stage times plus migration seconds; the best of those by predicted step time wins. It is
-    never worse (by that measure) than :func:`solve` with any ``eps`` of the grid.
+    problem's link unless given). The candidates are :func:`solve`'s choices for every ``eps``
+    of ``grid`` (``inf``: the split that moves least), scored by :func:`predicted_step` (with
+    ``schedule``: the schedule replayed); the best wins, so it is never worse, by that measure,
+    than :func:`solve` with any ``eps`` of the grid, nor than staying put where that fits.
     """
     bw = problem.bandwidth if move_bandwidth is None else move_bandwidth
     lat = problem.latency if move_latency is None else move_latency
     t = _tables(problem, previous)
     N, P = problem.num_ops, problem.num_stages
-    upper, T, RAW, moved, MEM = _grids(t, N)
-    idx = np.arange(N + 1)
-    I, J = idx[:, None], idx[None, :]
-    move_s = [moved[s] / bw + lat * (t.moved_ops[s][J] - t.moved_ops[s][I]) for s in range(P)]
-    ADD = [RAW[s] + move_s[s] for s in range(P)]
+    upper, T, moved, MEM = _grids(t, N)
+    MV = [m.astype(float) for m in moved]
     optimum, _ = _minmax_dp(T)
     if not math.isfinite(optimum):
         raise _infeasible(problem, t, MEM, upper)
     best: tuple[float, tuple[int, ...]] | None = None
+    scored: set[tuple[int, ...]] = set()
     for e in grid:
-        threshold = (1.0 + e) * optimum * (1.0 + REL_SLACK)
-        g = [np.full(N + 1, np.inf) for _ in range(P + 1)]
-        arg: list[np.ndarray] = [None] * P
-        g[P][N] = 0.0
-        for s in reversed(range(P)):
-            c = np.where(T[s] <= threshold, ADD[s] + g[s + 1][None, :], np.inf)
-            arg[s] = c.argmin(axis=1)
-            g[s] = c.min(axis=1)
-        bounds, i = [0], 0
-        for s in range(P):
-            i = int(arg[s][i])
-            bounds.append(i)
+        threshold = math.inf if math.isinf(e) else (1.0 + e) * optimum * (1.0 + REL_SLACK)
+        bounds = _fewest_moves(T, MV, threshold, N, P)
+        if bounds in scored:
+            continue
+        scored.add(bounds)
         part = _make_partition(t, bounds)
-        secs = float(sum(move_s[s][bounds[s], bounds[s + 1]] for s in range(P)))
-        score = predicted_step(problem, part, secs)
+        ops_moved = int(sum(t.moved_ops[s][bounds[s + 1]] - t.moved_ops[s][bounds[s]] for s in range(P)))
+        score = predicted_step(problem, part, part.moved_bytes / bw + lat * ops_moved, schedule)
         if best is None or score < best[0] * (1 - 1e-12):
-            best = (score, tuple(bounds))
+            best = (score, bounds)
     return _make_partition(t, best[1])
 
 
@@ -432,8 +440,9 @@ class Planner(Protocol):
 class DynamicPlanner:
     """Exact and migration-aware. ``objective="minmax"``: :func:`solve` with tolerance ``eps``
     (fewest moved bytes within ``(1 + eps)`` of the optimal slowest stage).
-    ``objective="step"``: :func:`solve_step`, which weighs the migration's time against what
-    a better balance gains over the whole step (``eps`` unused)."""
+    ``objective="step"``: :func:`solve_step` over the tolerances of ``STEP_GRID`` up to ``eps``:
+    among those choices, the one whose replayed schedule plus migration is fastest (``eps``
+    still bounds how far from the best balance it may go; ``inf`` lets it stay put)."""
 
     eps: float = 0.0
     objective: str = "minmax"
@@ -446,7 +455,9 @@ class DynamicPlanner:
 
     def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
         if self.objective == "step":
-            return solve_step(problem, previous, move_latency=self.move_latency)
+            grid = tuple(e for e in STEP_GRID if e < self.eps) + (self.eps,)
+            return solve_step(problem, previous, move_latency=self.move_latency, grid=grid,
+                              schedule=_schedule(problem.schedule, problem.num_stages, problem.num_microbatches))
         return solve(problem, previous, self.eps)
 
 
@@ -517,6 +528,11 @@ class StaticPlanner:
 
     def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
         return evaluate(problem, self.bounds_for(problem), previous)
+
+
+@lru_cache(maxsize=32)
+def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    return build_schedule(name, num_stages, num_microbatches)
 
 
 _PLANNERS = {"dynamic": DynamicPlanner, "equal": EqualCountPlanner, "static": StaticPlanner,

@@ -24,7 +24,7 @@ import numpy as np
 
 from .schedule import Action, Schedule, validate
 
-__all__ = ["Span", "SimResult", "SimulationError", "simulate"]
+__all__ = ["Span", "SimResult", "SimulationError", "makespan", "simulate"]
 
 
 class SimulationError(ValueError):
@@ -108,6 +108,23 @@ def simulate(
     static = _per("static_bytes", static_bytes, P, "stage")
     act = _per("act_bytes", act_bytes, P, "stage")
 
+    timeline = _replay(schedule, fwd, bwd, send, gsend, record=True)
+    step_time = max((sp.end for row in timeline for sp in row), default=0.0)
+    busy = tuple(sum(sp.end - sp.start for sp in row) for row in timeline)
+    bubble = 1.0 - sum(busy) / (P * step_time) if step_time > 0 else 0.0
+    if schedule.training:
+        peaks = tuple(_peak_live(row) for row in timeline)
+    else:
+        peaks = (0,) * P  # nothing is kept for a backward
+    memory = tuple(static[s] + peaks[s] * act[s] for s in range(P)) if with_memory else None
+    return SimResult(step_time, busy, timeline, bubble, peaks, memory)
+
+
+def _replay(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float],
+            gsend: Sequence[float], record: bool):
+    """The event replay shared by :func:`simulate` (``record``: every action's span) and
+    :func:`makespan` (only the end time). The schedule must be valid."""
+    P = schedule.num_stages
     # arrival[(receiving stage, kind, microbatch)] = when the message is there
     arrival: dict[tuple[int, str, int], float] = {}
     act_link = [0.0] * max(P - 1, 0)   # when cut c's forward direction is next free
@@ -129,7 +146,8 @@ def simulate(
                 start = max(free[s], arrival.get(key, 0.0))
                 end = start + (fwd[s] if a.kind == "F" else bwd[s])
                 free[s] = end
-                spans[s].append(Span(a, start, end))
+                if record:
+                    spans[s].append(Span(a, start, end))
                 if a.kind == "F" and s < P - 1:
                     act_link[s] = max(end, act_link[s]) + send[s]
                     arrival[(s + 1, "F", a.microbatch)] = act_link[s]
@@ -142,13 +160,14 @@ def simulate(
         if not progressed:  # validate() rules this out; never loop forever on a bug
             raise SimulationError(f"simulate: no stage could progress at positions {pos}")
 
-    timeline = tuple(tuple(row) for row in spans)
-    step_time = max((sp.end for row in timeline for sp in row), default=0.0)
-    busy = tuple(sum(sp.end - sp.start for sp in row) for row in timeline)
-    bubble = 1.0 - sum(busy) / (P * step_time) if step_time > 0 else 0.0
-    if schedule.training:
-        peaks = tuple(_peak_live(row) for row in timeline)
-    else:
-        peaks = (0,) * P  # nothing is kept for a backward
-    memory = tuple(static[s] + peaks[s] * act[s] for s in range(P)) if with_memory else None
-    return SimResult(step_time, busy, timeline, bubble, peaks, memory)
+    if record:
+        return tuple(tuple(row) for row in spans)
+    return max(free, default=0.0)
+
+
+def makespan(schedule: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[float],
+             send_time: Sequence[float], grad_send_time: Sequence[float] | None = None) -> float:
+    """:func:`simulate`'s ``step_time`` without validation or a timeline: fast enough for a
+    planner to score candidate partitions. ``schedule`` must be valid (the builders' are)."""
+    return _replay(schedule, fwd_time, bwd_time, send_time,
+                   send_time if grad_send_time is None else grad_send_time, record=False)
