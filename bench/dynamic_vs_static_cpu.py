@@ -139,6 +139,7 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                     if engine.planner is not None else None
                 dist.barrier()
                 c0 = time.process_time()
+                engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
                 r = engine.train_step(step, arch, x, y)
                 cpu = time.process_time() - c0
                 stats = [None] * world

@@ -76,6 +76,7 @@ class StepStats:
     migrated_ops: int = 0
     migrated_bytes: int = 0
     plan_s: float = 0.0  # planning time on the critical path (near zero when planned ahead)
+    early_migrated_ops: int = 0  # ops that moved during the previous step, off the critical path
     planned_ahead: bool = False
 
 
@@ -104,6 +105,15 @@ class PipelineEngine:
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=settings.timeout_s))
         self.transport = Transport(self.rank, self.device, settings.timeout_s)
+        # Ops that the next step needs elsewhere and this step does not use migrate during this
+        # step, on a group of their own so their messages never interleave with the schedule's.
+        self._early_transport = (Transport(self.rank, self.device, settings.timeout_s, group=dist.new_group())
+                                 if env.world_size > 1 else None)
+        self._early_job: Future | None = None
+        self._early_moves: list[Move] = []
+        self._early_states: dict[str, dict[str, torch.Tensor]] = {}
+        self._early_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-migrate")
+        self._committed: Plan | None = None
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, microbatches)
         validate(self.schedule)
         self.planner = None  # built with the cost table (the static planner needs it)
@@ -165,16 +175,25 @@ class PipelineEngine:
         return arch, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
 
     def plan(self, arch: Arch) -> Plan:
-        """The partition of ``arch`` given where ops sit now (pure: no messages). Taken from
-        the plans made ahead when one matches, else computed here."""
-        t0 = time.perf_counter()
+        """The partition of ``arch`` given where ops sit now (pure: no messages, no side
+        effects): the plan whose early moves are under way if it is for ``arch``, else a plan
+        made ahead for this placement, else a fresh one."""
         if self._ahead_job is not None:
             self._ahead_job.result()  # started a step ago: done by now; re-raises its error if any
             self._ahead_job = None
-        plan = self._ahead.pop(self._key(arch, self.owners), None)
-        self.stats.planned_ahead = plan is not None
-        if plan is None:
-            plan = self._plan_with(arch, self.owners)
+        if self._committed is not None and self._committed.arch == arch:
+            return self._committed
+        return self._ahead.get(self._key(arch, self.owners)) or self._plan_with(arch, self.owners)
+
+    def _take_plan(self, arch: Arch) -> Plan:
+        """:meth:`plan`, then forget the plans that were made for this step."""
+        t0 = time.perf_counter()
+        key = self._key(arch, self.owners)
+        self.stats.planned_ahead = ((self._committed is not None and self._committed.arch == arch)
+                                    or key in self._ahead)
+        plan = self.plan(arch)
+        self._committed = None
+        self._ahead.pop(key, None)
         self.stats.plan_s = time.perf_counter() - t0
         return plan
 
@@ -235,6 +254,53 @@ class PipelineEngine:
         self.stats.migrated_ops = len(todo)
         self.stats.migrated_bytes = sent_bytes
         return todo
+
+    def _start_early_moves(self, current: Plan) -> None:
+        """Start moving, in the background, the ops the next subnet needs elsewhere that this
+        step does not use (their state cannot change before the next step)."""
+        if self._early_transport is None or not self._upcoming:
+            return
+        nxt = self._plan_with(self._upcoming[0], self.owners)
+        busy = {op.op_id for sl in current.slices for op in sl.ops}
+        early = [mv for mv in moves([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds, self.owners)
+                 if mv.op_id not in busy]
+        self._committed = nxt
+        if not early:
+            return
+        outgoing = {mv.op_id: self.tensors.export(mv.op_id) for mv in early if mv.src == self.rank}
+        transport, rank = self._early_transport, self.rank
+
+        def run() -> dict[str, dict[str, torch.Tensor]]:
+            received = {}
+            for mv in early:
+                if mv.src == rank:
+                    keys = sorted(outgoing[mv.op_id])
+                    transport.send([outgoing[mv.op_id][k] for k in keys], mv.dst,
+                                   json.dumps([mv.op_id, keys]).encode(), pack=True)
+                elif mv.dst == rank:
+                    tensors, meta = transport.recv(mv.src)
+                    op_id, keys = json.loads(meta)
+                    if op_id != mv.op_id:
+                        raise RuntimeError(f"early migration out of order: expected {mv.op_id!r}, received {op_id!r}")
+                    received[op_id] = dict(zip(keys, tensors))
+            transport.flush()
+            return received
+
+        self._early_moves = early
+        self._early_job = self._early_pool.submit(run)
+
+    def _settle_early_moves(self) -> int:
+        """Finish the background moves: adopt what arrived; every rank updates the owners."""
+        if self._early_job is None:
+            return 0
+        job, self._early_job = self._early_job, None
+        received = job.result()  # re-raises a failed transfer
+        for mv in self._early_moves:
+            if mv.dst == self.rank:
+                self.tensors.adopt(mv.op_id, received[mv.op_id])
+            self.owners[mv.op_id] = mv.dst
+        n, self._early_moves = len(self._early_moves), []
+        return n
 
     # -- failures --------------------------------------------------------------------------
     @contextmanager
@@ -297,12 +363,16 @@ class PipelineEngine:
         t0 = time.perf_counter()
         batch = x.shape[0]
         mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
+        with self._failing(step, "migrate-ahead"):
+            early = self._settle_early_moves()
         with self._failing(step, "plan"):
             self._ensure_costs(x, batch // self.microbatches)
-            plan = self.plan(arch)
+            plan = self._take_plan(arch)
             self._agree(plan)
         with self._failing(step, "migrate"):
             self._migrate(plan)
+            self.stats.early_migrated_ops = early
+            self._start_early_moves(plan)
             self._start_planning_ahead()
         mine = plan.slices[self.rank]
         runs: dict[int, SliceRun] = {}
@@ -348,7 +418,7 @@ class PipelineEngine:
         self.stats.wall_s, self.stats.busy_s, self.stats.max_in_flight = wall, busy, peak
         mb_losses = tuple(float(v) for v in losses.tolist()) if self.is_main else ()
         return StepResult(step, arch, float(sum(mb_losses)) if self.is_main else float("nan"), mb_losses, wall,
-                          self.stats.migrated_ops, self.stats.migrated_bytes)
+                          self.stats.migrated_ops + self.stats.early_migrated_ops, self.stats.migrated_bytes)
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -358,9 +428,11 @@ class PipelineEngine:
         calib = [(x.to(self.device), y) for x, y in calib_batches] if graph_has_batchnorm(self.graph) else []
         if not batches:
             return EvalResult(float("nan"), 0, 0)
+        with self._failing(-1, "migrate-ahead"):
+            self._settle_early_moves()
         with self._failing(-1, "plan"):
             self._ensure_costs(batches[0][0], batches[0][0].shape[0])
-            plan = self.plan(arch)
+            plan = self._take_plan(arch)
             self._agree(plan)
         with self._failing(-1, "migrate"):
             self._migrate(plan)
@@ -401,6 +473,7 @@ class PipelineEngine:
     def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Gather every op's flat state on rank 0 (collective)."""
         with self._failing(-1, "gather"):
+            self._settle_early_moves()
             out: dict[str, dict[str, torch.Tensor]] = {}
             for op_id in sorted(self.owners):
                 owner = self.owners[op_id]
@@ -419,6 +492,7 @@ class PipelineEngine:
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Replace the state of the ops this rank owns with ``states`` (every rank passes all)."""
+        self._settle_early_moves()
         for op_id in self.tensors.owned():
             self.tensors.export(op_id)
             self.tensors.adopt(op_id, states[op_id])
@@ -427,6 +501,9 @@ class PipelineEngine:
         """Orderly teardown: after a clean run all ranks meet at a barrier before the process
         group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
         self._ahead_pool.shutdown(wait=not self._failed, cancel_futures=True)
+        if not self._failed:
+            self._settle_early_moves()
+        self._early_pool.shutdown(wait=not self._failed, cancel_futures=True)
         if dist.is_initialized():
             if not self._failed:
                 dist.barrier()

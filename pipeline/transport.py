@@ -41,8 +41,9 @@ class PeerError(TransportError):
 
 
 class Transport:
-    def __init__(self, rank: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, rank: int, device: torch.device, timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
         self.rank = rank
+        self.group = group  # None: the default group; a separate group is a separate channel
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pending: list[tuple[dist.Work, int, torch.Tensor]] = []
@@ -79,7 +80,7 @@ class Transport:
             msgs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         msgs = [m.to(self.device) for m in msgs] + bufs
         for m in msgs:
-            self._pending.append((dist.isend(m, dst), dst, m))
+            self._pending.append((dist.isend(m, dst, group=self.group), dst, m))
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def flush(self) -> None:
@@ -112,7 +113,7 @@ class Transport:
         posted: list[tuple[dist.Work, torch.Tensor]] = []
 
         def post(buf: torch.Tensor) -> torch.Tensor:
-            posted.append((dist.irecv(buf, src), buf))
+            posted.append((dist.irecv(buf, src, group=self.group), buf))
             return buf
 
         meta_buf = post(torch.empty(meta_len, dtype=torch.uint8, device=self.device)) if meta_len else None
@@ -138,7 +139,7 @@ class Transport:
         return out, meta
 
     def _recv_now(self, buf: torch.Tensor, src: int) -> torch.Tensor:
-        self._wait(dist.irecv(buf, src), "receiving from", src)
+        self._wait(dist.irecv(buf, src, group=self.group), "receiving from", src)
         return buf
 
     def _wait(self, work: dist.Work, what: str, peer: int) -> None:

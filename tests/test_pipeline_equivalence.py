@@ -44,7 +44,7 @@ def expected_peaks(schedule: str, stages: int, microbatches: int) -> list[int]:
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_pipeline_is_bit_identical_to_reference(stages: int) -> None:
     results, _, _ = spawn(stages, SCENARIOS, timeout_s=300)
-    migrated = {}
+    migrated, early = {}, 0
     for i, (sc, got) in enumerate(zip(SCENARIOS, results)):
         ref = reference(i)
         label = f"{sc.space}/{sc.schedule}/{sc.optimizer}/{sc.planner} P={stages}"
@@ -54,7 +54,9 @@ def test_pipeline_is_bit_identical_to_reference(stages: int) -> None:
         assert got["digest"] == ref["digest"], f"{label}: final params_digest differs"
         assert got["peak_in_flight"] == expected_peaks(sc.schedule, stages, sc.microbatches), label
         migrated[sc.space] = migrated.get(sc.space, 0) + got["migrated"]
+        early += got["early_migrated"]
         assert got["planned_ahead"] == sc.steps - 1, f"{label}: steps after the first should use plans made ahead"
     if stages > 1:
+        assert early > 0, f"no op migrated ahead (during the step before) at P={stages}"
         for space, n in migrated.items():
             assert n > 0, f"no op migrated in the {space} runs at P={stages}: the test would not cover migration"
