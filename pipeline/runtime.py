@@ -9,10 +9,9 @@ same per-op executor as the reference, receives its inputs and sends its outputs
 the optimizer for the ops it owns. Gradients accumulate in ascending micro-batch order on
 every stage, exactly as in the reference, so the result is bit-identical.
 
-Failures: any exception inside a step is turned into a :class:`StageFailure` that names the
-rank, the step and the action and shows the schedule grid with that action marked. The failing
-rank leaves a note in the failure directory (when there is one), so the ranks that then lose
-their peer can name the root cause. Every wait on another rank has a timeout: no hang.
+Failures: every phase runs under :class:`pipeline.failures.FailureReporter`, which turns any
+exception into a :class:`StageFailure` naming rank, step and action. Every wait on another rank
+has a timeout: no hang.
 """
 from __future__ import annotations
 
@@ -21,11 +20,9 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,22 +35,15 @@ from .costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
 from .partition import Partition, StaticPlanner, make_planner
 from .placement import Move, initial_owners, moves, stages_of
-from .schedule import Action, Schedule, build as build_schedule, forward_only, format_grid, validate
+from .schedule import Schedule, build as build_schedule, forward_only, validate
 from .settings import DistEnv, PipelineSettings
 from .tensors import OptimConfig, TensorManager
-from .transport import PeerError, Transport
+from .failures import FailureReporter, StageFailure, parse_fault
+from .transport import Transport
 
 __all__ = ["PipelineEngine", "StageFailure", "Plan"]
 
 log = logging.getLogger(__name__)
-
-
-class StageFailure(RuntimeError):
-    """A step failed on this rank; the message names rank, step and action."""
-
-    def __init__(self, message: str, rank: int, step: int, action: str) -> None:
-        super().__init__(message)
-        self.rank, self.step, self.action = rank, step, action
 
 
 @dataclass(frozen=True)
@@ -95,8 +85,6 @@ class PipelineEngine:
                 f"pipeline.stages: expected the world size {env.world_size} (one process per stage), "
                 f"found {self.num_stages}"
             )
-        fd = failure_dir if failure_dir is not None else os.environ.get("PIPENAS_FAILURE_DIR")
-        self.failure_dir = Path(fd) if fd else None
         if not dist.is_initialized():
             backend = settings.backend if settings.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
             if device.type == "cuda":
@@ -122,9 +110,9 @@ class PipelineEngine:
                                      own=[op for op, s in self.owners.items() if s == self.rank])
         self.costs: CostTable | None = costs
         self.stats = StepStats()
-        self._fault = _parse_fault(os.environ.get("PIPENAS_FAULT"))
-        self._started = time.time()  # failure notes older than this engine belong to an earlier attempt
-        self._failed = False
+        fd = failure_dir if failure_dir is not None else os.environ.get("PIPENAS_FAILURE_DIR")
+        self.failures = FailureReporter(self.rank, self.schedule, Path(fd) if fd else None,
+                                        parse_fault(os.environ.get("PIPENAS_FAULT")))
         self._upcoming: list[Arch] = []
         self._ahead: dict[tuple, Plan] = {}
         self._ahead_job: Future | None = None
@@ -302,74 +290,18 @@ class PipelineEngine:
         n, self._early_moves = len(self._early_moves), []
         return n
 
-    # -- failures --------------------------------------------------------------------------
-    @contextmanager
-    def _failing(self, step: int, action: Action | str) -> Iterator[None]:
-        try:
-            self._maybe_fault(step, action)
-            yield
-        except StageFailure:
-            raise
-        except Exception as e:
-            raise self._failure(step, action, e) from e
-
-    def _failure(self, step: int, action: Action | str, e: Exception) -> StageFailure:
-        self._failed = True
-        where = f"rank {self.rank} (stage {self.rank}) failed at step {step} during {action}"
-        cause = f"{type(e).__name__}: {e}"
-        if isinstance(e, PeerError):
-            root = self._root_cause(exclude=self.rank)
-            if root:
-                cause += f"\n  root cause: {root}"
-        elif self.failure_dir is not None:
-            self.failure_dir.mkdir(parents=True, exist_ok=True)
-            note = self.failure_dir / f"rank{self.rank}.json"
-            tmp = note.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"rank": self.rank, "step": step, "action": str(action), "error": cause}))
-            os.replace(tmp, note)
-        grid = format_grid(self.schedule, mark=action) if isinstance(action, Action) else ""
-        msg = f"{where}: {cause}" + (f"\nschedule ({self.schedule.name}), failing action marked:\n{grid}" if grid else "")
-        log.error("%s: %s", where, cause)
-        return StageFailure(msg, self.rank, step, str(action))
-
-    def _root_cause(self, exclude: int, wait_s: float = 2.0) -> str | None:
-        if self.failure_dir is None:
-            return None
-        deadline = time.monotonic() + wait_s
-        while True:
-            notes = sorted(self.failure_dir.glob("rank*.json")) if self.failure_dir.exists() else []
-            for note in notes:
-                try:
-                    if note.stat().st_mtime < self._started - 1.0:
-                        continue
-                    d = json.loads(note.read_text())
-                except (OSError, ValueError):
-                    continue
-                if d.get("rank") != exclude:
-                    return f"rank {d['rank']} failed at step {d['step']} during {d['action']}: {d['error']}"
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.1)
-
-    def _maybe_fault(self, step: int, action: Action | str) -> None:
-        f = self._fault
-        if f and f[0] == self.rank and f[1] == step and f[2] == str(action):
-            if f[3] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault (PIPENAS_FAULT) at rank {self.rank}, step {step}, action {action}")
-
     # -- training --------------------------------------------------------------------------
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()
         batch = x.shape[0]
         mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
-        with self._failing(step, "migrate-ahead"):
+        with self.failures.failing(step, "migrate-ahead"):
             early = self._settle_early_moves()
-        with self._failing(step, "plan"):
+        with self.failures.failing(step, "plan"):
             self._ensure_costs(x, batch // self.microbatches)
             plan = self._take_plan(arch)
             self._agree(plan)
-        with self._failing(step, "migrate"):
+        with self.failures.failing(step, "migrate"):
             self._migrate(plan)
             self.stats.early_migrated_ops = early
             self._start_early_moves(plan)
@@ -380,7 +312,7 @@ class PipelineEngine:
         losses = torch.zeros(self.microbatches, dtype=torch.float64)
         busy, peak = 0.0, 0
         for action in self.schedule.actions[self.rank]:
-            with self._failing(step, action):
+            with self.failures.failing(step, action):
                 m = action.microbatch
                 if action.kind == "F":
                     inputs = [mbs[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
@@ -403,7 +335,7 @@ class PipelineEngine:
                     busy += time.perf_counter() - a0
                     if self.rank != 0:
                         self.transport.send(in_grads, self.rank - 1)
-        with self._failing(step, "optimizer"):
+        with self.failures.failing(step, "optimizer"):
             self.transport.flush()
             a0 = time.perf_counter()
             self.tensors.step([op.op_id for op in mine.ops], self.lr(step))
@@ -428,13 +360,13 @@ class PipelineEngine:
         calib = [(x.to(self.device), y) for x, y in calib_batches] if graph_has_batchnorm(self.graph) else []
         if not batches:
             return EvalResult(float("nan"), 0, 0)
-        with self._failing(-1, "migrate-ahead"):
+        with self.failures.failing(-1, "migrate-ahead"):
             self._settle_early_moves()
-        with self._failing(-1, "plan"):
+        with self.failures.failing(-1, "plan"):
             self._ensure_costs(batches[0][0], batches[0][0].shape[0])
             plan = self._take_plan(arch)
             self._agree(plan)
-        with self._failing(-1, "migrate"):
+        with self.failures.failing(-1, "migrate"):
             self._migrate(plan)
         mine = plan.slices[self.rank]
         totals = torch.zeros(3, dtype=torch.float64)
@@ -447,7 +379,7 @@ class PipelineEngine:
                 totals[2] += int(y.shape[0])
 
             self._forward_stream(mine, batches, False, score)
-        with self._failing(-1, "result"):
+        with self.failures.failing(-1, "result"):
             totals = totals.to(self.device)
             dist.broadcast(totals, src=self.last)
         loss_sum, correct, total = totals.cpu().tolist()
@@ -458,7 +390,7 @@ class PipelineEngine:
         if schedule is None:
             return
         for action in schedule.actions[self.rank]:
-            with self._failing(-1, action):
+            with self.failures.failing(-1, action):
                 m = action.microbatch
                 inputs = [batches[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
                 outs = SliceRun(mine, self.tensors.module, _ctx(self.seed, -1, m, training)).forward(inputs, grad=False)
@@ -472,7 +404,7 @@ class PipelineEngine:
     # -- state -----------------------------------------------------------------------------
     def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Gather every op's flat state on rank 0 (collective)."""
-        with self._failing(-1, "gather"):
+        with self.failures.failing(-1, "gather"):
             self._settle_early_moves()
             out: dict[str, dict[str, torch.Tensor]] = {}
             for op_id in sorted(self.owners):
@@ -500,28 +432,15 @@ class PipelineEngine:
     def close(self) -> None:
         """Orderly teardown: after a clean run all ranks meet at a barrier before the process
         group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
-        self._ahead_pool.shutdown(wait=not self._failed, cancel_futures=True)
-        if not self._failed:
+        self._ahead_pool.shutdown(wait=not self.failures.failed, cancel_futures=True)
+        if not self.failures.failed:
             self._settle_early_moves()
-        self._early_pool.shutdown(wait=not self._failed, cancel_futures=True)
+        self._early_pool.shutdown(wait=not self.failures.failed, cancel_futures=True)
         if dist.is_initialized():
-            if not self._failed:
+            if not self.failures.failed:
                 dist.barrier()
             dist.destroy_process_group()
 
 
 def _ctx(seed: int, step: int, mb: int, training: bool):
     return lambda op_id: OpContext(seed, step, mb, op_id, training)
-
-
-def _parse_fault(text: str | None) -> tuple[int, int, str, str] | None:
-    """``PIPENAS_FAULT=<rank>:<step>:<action>:<raise|kill>`` injects a failure (for tests)."""
-    if not text:
-        return None
-    try:
-        rank, step, action, how = text.split(":")
-        if how not in ("raise", "kill"):
-            raise ValueError
-        return int(rank), int(step), action, how
-    except ValueError:
-        raise ValueError(f"PIPENAS_FAULT: expected <rank>:<step>:<action>:<raise|kill>, found {text!r}") from None
