@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import logging
 import os
 import time
@@ -197,6 +196,11 @@ class PipelineEngine:
             return
         archs, owners, self._upcoming = self._upcoming, dict(self.owners), []
         self._ahead = {}
+        nxt = self._committed
+        if nxt is not None and nxt.arch == archs[0]:
+            # The next plan was made already (to start its early moves): chain on from it.
+            owners.update(stages_of([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds))
+            archs = archs[1:]
 
         def chain() -> None:
             for arch in archs:
@@ -227,16 +231,9 @@ class PipelineEngine:
         sent_bytes = 0
         for mv in todo:
             if mv.src == self.rank:
-                state = self.tensors.export(mv.op_id)
-                keys = sorted(state)
-                sent_bytes += self.transport.send([state[k] for k in keys], mv.dst,
-                                                  json.dumps([mv.op_id, keys]).encode(), pack=True)
+                sent_bytes += self.transport.send_state(mv.op_id, self.tensors.export(mv.op_id), mv.dst)
             elif mv.dst == self.rank:
-                tensors, meta = self.transport.recv(mv.src)
-                op_id, keys = json.loads(meta)
-                if op_id != mv.op_id:
-                    raise RuntimeError(f"migration out of order: expected {mv.op_id!r}, received {op_id!r}")
-                self.tensors.adopt(op_id, dict(zip(keys, tensors)))
+                self.tensors.adopt(mv.op_id, self.transport.recv_state(mv.op_id, mv.src))
             self.owners[mv.op_id] = mv.dst
         self.transport.flush()
         self.stats.migrated_ops = len(todo)
@@ -262,15 +259,9 @@ class PipelineEngine:
             received = {}
             for mv in early:
                 if mv.src == rank:
-                    keys = sorted(outgoing[mv.op_id])
-                    transport.send([outgoing[mv.op_id][k] for k in keys], mv.dst,
-                                   json.dumps([mv.op_id, keys]).encode(), pack=True)
+                    transport.send_state(mv.op_id, outgoing[mv.op_id], mv.dst)
                 elif mv.dst == rank:
-                    tensors, meta = transport.recv(mv.src)
-                    op_id, keys = json.loads(meta)
-                    if op_id != mv.op_id:
-                        raise RuntimeError(f"early migration out of order: expected {mv.op_id!r}, received {op_id!r}")
-                    received[op_id] = dict(zip(keys, tensors))
+                    received[mv.op_id] = transport.recv_state(mv.op_id, mv.src)
             transport.flush()
             return received
 
@@ -414,11 +405,9 @@ class PipelineEngine:
                     if self.rank == 0:
                         out[op_id] = {k: v.detach().cpu().clone() for k, v in state.items()}
                     else:
-                        keys = sorted(state)
-                        self.transport.send([state[k] for k in keys], 0, json.dumps(keys).encode(), pack=True)
+                        self.transport.send_state(op_id, state, 0)
                 elif self.rank == 0:
-                    tensors, meta = self.transport.recv(owner)
-                    out[op_id] = {k: t.cpu() for k, t in zip(json.loads(meta), tensors)}
+                    out[op_id] = {k: t.cpu() for k, t in self.transport.recv_state(op_id, owner).items()}
             self.transport.flush()
         return out if self.rank == 0 else None
 

@@ -14,8 +14,9 @@ what NCCL requires and what the schedules guarantee.
 from __future__ import annotations
 
 import datetime
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,20 @@ class Transport:
         for m in msgs:
             self._pending.append((dist.isend(m, dst, group=self.group), dst, m))
         return sum(b.numel() * b.element_size() for b in bufs)
+
+    def send_state(self, op_id: str, state: Mapping[str, torch.Tensor], dst: int) -> int:
+        """Post one op's flat state (named tensors), packed; returns the payload bytes."""
+        keys = sorted(state)
+        return self.send([state[k] for k in keys], dst, json.dumps([op_id, keys]).encode(), pack=True)
+
+    def recv_state(self, op_id: str, src: int) -> dict[str, torch.Tensor]:
+        """Receive the flat state of ``op_id`` from ``src``; another op arriving is an error
+        (both sides must walk their moves in the same order)."""
+        tensors, meta = self.recv(src)
+        got, keys = json.loads(meta)
+        if got != op_id:
+            raise TransportError(f"op state out of order from rank {src}: expected {op_id!r}, received {got!r}")
+        return dict(zip(keys, tensors))
 
     def flush(self) -> None:
         """Wait until every posted send has completed (its buffers may then be reused)."""
