@@ -115,6 +115,19 @@ def _seeded(space: SearchSpace, seed_archs: Iterable[Arch], memo: _Memo) -> list
     return out
 
 
+def _fill(memo: _Memo, space: SearchSpace, rng: random.Random, seed_archs: Sequence[Arch], count: int,
+          max_tries: int) -> None:
+    """Score archs until ``count`` are scored: the seed archs first, then fresh random ones
+    (stops early when no fresh arch satisfying the constraint turns up)."""
+    for arch in _seeded(space, seed_archs, memo)[:count]:
+        memo.score(arch)
+    while len(memo.scores) < count:
+        arch = _fresh(memo, lambda: space.random(rng), max_tries)
+        if arch is None:
+            break
+        memo.score(arch)
+
+
 def random_search(
     space: SearchSpace, scorer: Scorer, rng: random.Random, *, budget: int, top_k: int = 5,
     constraint: Constraint | None = None, seed_archs: Sequence[Arch] = (), max_tries: int = 100,
@@ -123,13 +136,7 @@ def random_search(
     _check("budget", budget, 1)
     _check("top_k", top_k, 1)
     memo = _Memo(scorer, constraint)
-    for arch in _seeded(space, seed_archs, memo)[:budget]:
-        memo.score(arch)
-    while len(memo.scores) < budget:
-        arch = _fresh(memo, lambda: space.random(rng), max_tries)
-        if arch is None:
-            break
-        memo.score(arch)
+    _fill(memo, space, rng, seed_archs, budget, max_tries)
     return _result(memo, top_k, constraint, [])
 
 
@@ -151,13 +158,7 @@ def evolution_search(
 
     memo = _Memo(scorer, constraint)
     history: list[float] = []
-    for arch in _seeded(space, seed_archs, memo)[:population]:
-        memo.score(arch)
-    while len(memo.scores) < population:
-        arch = _fresh(memo, lambda: space.random(rng), max_tries)
-        if arch is None:
-            break
-        memo.score(arch)
+    _fill(memo, space, rng, seed_archs, population, max_tries)
     if not memo.scores:
         return _result(memo, top_k, constraint, history)
     history.append(memo.ranked()[0].score)
