@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -38,7 +38,7 @@ from .schedule import SCHEDULES, Schedule, build as build_schedule, in_flight
 from .simulate import makespan
 
 __all__ = [
-    "predicted_step", "solve_step", "STEP_GRID",
+    "predicted_step", "solve_step", "STEP_GRID", "migration_wait",
     "OpCost", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
     "equal_count", "static_bounds", "Planner", "DynamicPlanner", "EqualCountPlanner",
     "StaticPlanner", "OraclePlanner", "make_planner", "random_problem", "time_solve", "REL_SLACK",
@@ -189,9 +189,12 @@ class _Tables:
     moved: np.ndarray      # (P, N+1) prefix of bytes that move if stage s takes the op, int64
     moved_ops: np.ndarray  # (P, N+1) prefix of the number of ops that move if stage s takes them
     budget: np.ndarray     # (P,) float, inf when unlimited
+    busy_moved: np.ndarray  # (P, N+1) like ``moved``, counting only the ``busy`` ops
+    busy_moved_ops: np.ndarray  # (P, N+1) like ``moved_ops``, counting only the ``busy`` ops
 
 
-def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _Tables:
+def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
+            busy: AbstractSet[str] | None = None) -> _Tables:
     P, ops = problem.num_stages, problem.ops
     zero = np.zeros(1)
     state = np.array([op.param_bytes + op.optim_bytes for op in ops], dtype=np.int64)
@@ -208,6 +211,11 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _T
             moves[:, k] = np.where(np.arange(P) == owner, 0, state[k])
             moving[:, k] = np.arange(P) != owner
     budget = problem.memory_budget if problem.memory_budget is not None else (math.inf,) * P
+    in_use = np.array([busy is None or op.op_id in busy for op in ops], dtype=np.int64)
+
+    def prefix(a: np.ndarray) -> np.ndarray:
+        return np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(a, axis=1)), axis=1)
+
     return _Tables(
         P=P,
         compute=np.concatenate((zero, np.cumsum([op.fwd + op.bwd for op in ops]))),
@@ -216,9 +224,11 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None) -> _T
         cut=cut,
         comm=2.0 * (problem.latency + cut / problem.bandwidth),
         in_flight=np.array(in_flight(problem.schedule, P, problem.num_microbatches), dtype=np.int64),
-        moved=np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(moves, axis=1)), axis=1),
-        moved_ops=np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(moving, axis=1)), axis=1),
+        moved=prefix(moves),
+        moved_ops=prefix(moving),
         budget=np.array(budget, dtype=float),
+        busy_moved=prefix(moves * in_use),
+        busy_moved_ops=prefix(moving * in_use),
     )
 
 
@@ -377,23 +387,45 @@ def predicted_step(problem: PartitionProblem, part: Partition, move_seconds: flo
     return makespan(schedule, fwd, bwd, send) + move_seconds
 
 
+def migration_wait(moved_bytes: float, moved_ops: int, busy_bytes: float, busy_ops: int,
+                   bandwidth: float, latency: float, window: float = 0.0) -> float:
+    """Seconds a step waits for the migration before it, as the runtime migrates.
+
+    An op in use by the step before (``busy_*``: its bytes and count among the moved ones) can
+    only move once that step has updated it, so its transfer is on the critical path. The others
+    move during the step before (early migration) and delay this step only by what exceeds
+    ``window``, that step's duration. ``busy_* == moved_*`` (or ``window = 0``) charges everything.
+    """
+    on_path = busy_bytes / bandwidth + latency * busy_ops
+    ahead = (moved_bytes - busy_bytes) / bandwidth + latency * (moved_ops - busy_ops)
+    return on_path + max(0.0, ahead - window)
+
+
 def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = None,
                move_bandwidth: float | None = None, move_latency: float | None = None,
-               grid: Sequence[float] = STEP_GRID, schedule: Schedule | None = None) -> Partition:
+               grid: Sequence[float] = STEP_GRID, schedule: Schedule | None = None,
+               busy: AbstractSet[str] | None = None) -> Partition:
     """The memory-feasible partition that minimises :func:`predicted_step`, migration included.
 
     Migration is charged per moved op as ``latency + (param + optim bytes) / bandwidth`` (the
-    problem's link unless given). The candidates are :func:`solve`'s choices for every ``eps``
-    of ``grid`` (``inf``: the split that moves least), scored by :func:`predicted_step` (with
-    ``schedule``: the schedule replayed); the best wins, so it is never worse, by that measure,
-    than :func:`solve` with any ``eps`` of the grid, nor than staying put where that fits.
+    problem's link unless given). With ``busy`` (the op ids the step before uses) it is charged
+    as the runtime migrates (:func:`migration_wait`): the other ops move during that step, whose
+    duration is taken to be this candidate's own step. The candidates are :func:`solve`'s choices
+    for every ``eps`` of ``grid`` (``inf``: the split that moves least; with ``busy``, least of the
+    busy ops' bytes first), scored by :func:`predicted_step` (with ``schedule``: the schedule
+    replayed); the best wins, so it is never worse, by that measure, than :func:`solve` with any
+    ``eps`` of the grid, nor than staying put where that fits.
     """
     bw = problem.bandwidth if move_bandwidth is None else move_bandwidth
     lat = problem.latency if move_latency is None else move_latency
-    t = _tables(problem, previous)
+    t = _tables(problem, previous, busy)
     N, P = problem.num_ops, problem.num_stages
     upper, T, moved, MEM = _grids(t, N)
-    MV = [m.astype(float) for m in moved]
+    if busy is None:
+        MV = [m.astype(float) for m in moved]
+    else:  # the busy ops' bytes first (x 1024), then all bytes; integral, exact below 2**53
+        MV = [(1024 * (t.busy_moved[s][None, :] - t.busy_moved[s][:, None]) + moved[s]).astype(float)
+              for s in range(P)]
     optimum, _ = _minmax_dp(T)
     if not math.isfinite(optimum):
         raise _infeasible(problem, t, MEM, upper)
@@ -406,8 +438,16 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
             continue
         scored.add(bounds)
         part = _make_partition(t, bounds)
-        ops_moved = int(sum(t.moved_ops[s][bounds[s + 1]] - t.moved_ops[s][bounds[s]] for s in range(P)))
-        score = predicted_step(problem, part, part.moved_bytes / bw + lat * ops_moved, schedule)
+        b = np.asarray(bounds)
+        s_ = np.arange(P)
+
+        def span(a: np.ndarray) -> int:
+            return int((a[s_, b[1:]] - a[s_, b[:-1]]).sum())
+
+        pipeline_s = predicted_step(problem, part, 0.0, schedule)
+        wait = migration_wait(part.moved_bytes, span(t.moved_ops), span(t.busy_moved), span(t.busy_moved_ops),
+                              bw, lat, window=pipeline_s if busy is not None else 0.0)
+        score = pipeline_s + wait
         if best is None or score < best[0] * (1 - 1e-12):
             best = (score, bounds)
     return _make_partition(t, best[1])
@@ -429,11 +469,16 @@ def static_bounds(mean_problem: PartitionProblem) -> tuple[int, ...]:
 
 
 class Planner(Protocol):
-    """Chooses each step's partition given the subnet's problem and the current owners."""
+    """Chooses each step's partition given the subnet's problem and the current owners.
+
+    ``busy``: the op ids the step before uses, when the runtime moves the other ops during that
+    step (early migration); None when every move waits for the step. Only the dynamic planner's
+    step objective weighs it."""
 
     name: ClassVar[str]
 
-    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition: ...
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None,
+             busy: AbstractSet[str] | None = None) -> Partition: ...
 
 
 @dataclass(frozen=True)
@@ -453,10 +498,11 @@ class DynamicPlanner:
         if self.objective not in ("minmax", "step"):
             raise PartitionError(f"DynamicPlanner.objective: expected 'minmax' or 'step', found {self.objective!r}")
 
-    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None,
+             busy: AbstractSet[str] | None = None) -> Partition:
         if self.objective == "step":
             grid = tuple(e for e in STEP_GRID if e < self.eps) + (self.eps,)
-            return solve_step(problem, previous, move_latency=self.move_latency, grid=grid,
+            return solve_step(problem, previous, move_latency=self.move_latency, grid=grid, busy=busy,
                               schedule=_schedule(problem.schedule, problem.num_stages, problem.num_microbatches))
         return solve(problem, previous, self.eps)
 
@@ -467,7 +513,8 @@ class EqualCountPlanner:
 
     name: ClassVar[str] = "equal"
 
-    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None,
+             busy: AbstractSet[str] | None = None) -> Partition:
         return equal_count(problem, previous)
 
 
@@ -477,7 +524,8 @@ class OraclePlanner:
 
     name: ClassVar[str] = "oracle"
 
-    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None,
+             busy: AbstractSet[str] | None = None) -> Partition:
         return evaluate(problem, solve(problem).bounds, previous)
 
 
@@ -526,7 +574,8 @@ class StaticPlanner:
         cum = np.cumsum(self.fractions) / sum(self.fractions)
         return (0, *(int(math.floor(c * N + 0.5)) for c in cum[:-1]), N)
 
-    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None) -> Partition:
+    def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None,
+             busy: AbstractSet[str] | None = None) -> Partition:
         return evaluate(problem, self.bounds_for(problem), previous)
 
 

@@ -117,6 +117,7 @@ class PipelineEngine:
         self._ahead_job: Future | None = None
         self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-plan")
         self._step = -1
+        self._last_arch: Arch | None = None  # the subnet of the last training step
 
     @property
     def is_main(self) -> bool:
@@ -150,16 +151,20 @@ class PipelineEngine:
                               self.settings.schedule, self.settings.link_bandwidth, self.settings.link_latency_s,
                               self.settings.budgets(self.num_stages))
 
-    def _plan_with(self, arch: Arch, owners: Mapping[str, int]) -> Plan:
+    def _plan_with(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
+        """``before``: the subnet of the step before this one (None: none). Its ops cannot move
+        early, the others can (when there is a second stage to move them to)."""
         active = self.graph.active_ops(arch)
         previous = {op.op_id: owners[op.op_id] for op in active}
-        part = self.planner.plan(self._problem(active), previous)
+        busy = (frozenset(op.op_id for op in self.graph.active_ops(before))
+                if before is not None and self._early_transport is not None else None)
+        part = self.planner.plan(self._problem(active), previous, busy)
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         return Plan(arch, part, cut(active, part.bounds, self.graph.output), int.from_bytes(h[:7], "little"))
 
-    def _key(self, arch: Arch, owners: Mapping[str, int]) -> tuple:
-        # A plan depends only on the arch and on where its active ops sit now.
-        return arch, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
+    def _key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
+        # A plan depends only on the arch, on where its active ops sit now and on the step before.
+        return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
 
     def plan(self, arch: Arch) -> Plan:
         """The partition of ``arch`` given where ops sit now (pure: no messages, no side
@@ -170,12 +175,13 @@ class PipelineEngine:
             self._ahead_job = None
         if self._committed is not None and self._committed.arch == arch:
             return self._committed
-        return self._ahead.get(self._key(arch, self.owners)) or self._plan_with(arch, self.owners)
+        return (self._ahead.get(self._key(arch, self.owners, self._last_arch))
+                or self._plan_with(arch, self.owners, self._last_arch))
 
     def _take_plan(self, arch: Arch) -> Plan:
         """:meth:`plan`, then forget the plans that were made for this step."""
         t0 = time.perf_counter()
-        key = self._key(arch, self.owners)
+        key = self._key(arch, self.owners, self._last_arch)
         self.stats.planned_ahead = ((self._committed is not None and self._committed.arch == arch)
                                     or key in self._ahead)
         plan = self.plan(arch)
@@ -191,24 +197,26 @@ class PipelineEngine:
         not made ahead is made when needed, and the result is the same either way."""
         self._upcoming = list(archs)
 
-    def _start_planning_ahead(self) -> None:
+    def _start_planning_ahead(self, current: Arch) -> None:
         if not self._upcoming or self.planner is None:
             return
         archs, owners, self._upcoming = self._upcoming, dict(self.owners), []
         self._ahead = {}
-        nxt = self._committed
+        nxt, before = self._committed, current
         if nxt is not None and nxt.arch == archs[0]:
             # The next plan was made already (to start its early moves): chain on from it.
             owners.update(stages_of([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds))
-            archs = archs[1:]
+            archs, before = archs[1:], nxt.arch
 
         def chain() -> None:
+            prior = before
             for arch in archs:
-                key = self._key(arch, owners)
-                plan = self._plan_with(arch, owners)
+                key = self._key(arch, owners, prior)
+                plan = self._plan_with(arch, owners, prior)
                 self._ahead[key] = plan
                 active = [op for sl in plan.slices for op in sl.ops]
                 owners.update(stages_of(active, plan.partition.bounds))
+                prior = arch
 
         self._ahead_job = self._ahead_pool.submit(chain)
 
@@ -245,7 +253,7 @@ class PipelineEngine:
         step does not use (their state cannot change before the next step)."""
         if self._early_transport is None or not self._upcoming:
             return
-        nxt = self._plan_with(self._upcoming[0], self.owners)
+        nxt = self._plan_with(self._upcoming[0], self.owners, current.arch)
         busy = {op.op_id for sl in current.slices for op in sl.ops}
         early = [mv for mv in moves([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds, self.owners)
                  if mv.op_id not in busy]
@@ -294,9 +302,10 @@ class PipelineEngine:
             self._agree(plan)
         with self.failures.failing(step, "migrate"):
             self._migrate(plan)
+            self._last_arch = arch
             self.stats.early_migrated_ops = early
             self._start_early_moves(plan)
-            self._start_planning_ahead()
+            self._start_planning_ahead(arch)
         mine = plan.slices[self.rank]
         runs: dict[int, SliceRun] = {}
         head_grads: dict[int, list] = {}

@@ -373,3 +373,101 @@ def test_makespan_equals_the_simulators_step_time() -> None:
         sched = build(str(rng.choice(["gpipe", "1f1b"])), P, M)
         f, b, c = rng.random(P).tolist(), (2 * rng.random(P)).tolist(), (0.3 * rng.random(max(P - 1, 0))).tolist()
         assert makespan(sched, f, b, c) == simulate(sched, f, b, c).step_time
+
+
+# ------------------------------------------------------- migration during the step before (busy)
+
+
+def test_migration_wait_charges_busy_moves_in_full_and_early_ones_beyond_the_window() -> None:
+    from pipeline.partition import migration_wait
+
+    # 300 bytes over 3 ops at 100 B/s and 0.5 s per op: 4.5 s if all wait
+    assert migration_wait(300, 3, 300, 3, 100.0, 0.5) == pytest.approx(4.5)
+    assert migration_wait(300, 3, 300, 3, 100.0, 0.5, window=10.0) == pytest.approx(4.5)  # all busy
+    assert migration_wait(300, 3, 0, 0, 100.0, 0.5, window=10.0) == 0.0  # all early, fits
+    assert migration_wait(300, 3, 0, 0, 100.0, 0.5, window=4.0) == pytest.approx(0.5)  # spills
+    # one busy op of 100 bytes waits (1.5 s); the other two take 3 s early, 1 s past the window
+    assert migration_wait(300, 3, 100, 1, 100.0, 0.5, window=2.0) == pytest.approx(1.5 + 1.0)
+    assert migration_wait(0, 0, 0, 0, 100.0, 0.5, window=0.0) == 0.0
+
+
+def _wait_of(problem, part, previous, busy, schedule):
+    from pipeline.partition import migration_wait, predicted_step
+
+    assign = part.assignment([op.op_id for op in problem.ops])
+    moving = [op for op in problem.ops if op.op_id in previous and previous[op.op_id] != assign[op.op_id]]
+    waiting = [op for op in moving if busy is None or op.op_id in busy]
+    pipe = predicted_step(problem, part, 0.0, schedule)
+    size = lambda ops: sum(op.param_bytes + op.optim_bytes for op in ops)  # noqa: E731
+    return pipe, migration_wait(size(moving), len(moving), size(waiting), len(waiting), problem.bandwidth,
+                                problem.latency, window=pipe if busy is not None else 0.0)
+
+
+def test_step_objective_with_every_op_busy_is_the_step_objective_without_busy() -> None:
+    from pipeline.partition import _schedule, solve_step
+
+    rng = np.random.default_rng(21)
+    for _ in range(80):
+        p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
+        prev = {op.op_id: int(rng.integers(0, p.num_stages)) for op in p.ops}
+        sched = _schedule(p.schedule, p.num_stages, p.num_microbatches)
+        everything = frozenset(op.op_id for op in p.ops)
+        try:
+            expected = solve_step(p, prev, schedule=sched)
+        except PartitionError:
+            continue
+        assert solve_step(p, prev, schedule=sched, busy=everything) == expected
+
+
+def test_step_objective_with_busy_ops_beats_staying_put_and_is_within_eps() -> None:
+    """Brute force over every split: the choice fits memory, stays within (1 + eps) of the optimum
+    and, by the replayed schedule plus the migration the step waits for, is never worse than any
+    split that moves nothing."""
+    from pipeline.partition import _schedule
+
+    rng = np.random.default_rng(5)
+    checked = 0
+    for _ in range(150):
+        N, P = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        p = random_problem(rng, N, P, bandwidth=float(rng.choice([1e9, 5e9])), latency=1e-4)
+        prev = {op.op_id: int(rng.integers(0, P)) for op in p.ops}
+        busy = frozenset(op.op_id for op in p.ops if rng.random() < 0.3)
+        sched = _schedule(p.schedule, P, p.num_microbatches)
+        eps = float(rng.choice([0.0, 0.05, 0.2]))
+        try:
+            opt = solve(p)
+        except PartitionError:
+            continue
+        choice = DynamicPlanner(eps, objective="step").plan(p, prev, busy)
+        assert choice.fits_memory and choice.max_time <= (1 + eps) * opt.max_time * (1 + 1e-9)
+        score = sum(_wait_of(p, choice, prev, busy, sched))
+        for bounds in all_bounds(N, P):
+            other = evaluate(p, bounds, prev)
+            if other.moved_bytes == 0 and other.max_time <= (1 + eps) * opt.max_time * (1 + 1e-9):
+                assert score <= sum(_wait_of(p, other, prev, busy, sched)) * (1 + 1e-9)
+        checked += 1
+    assert checked > 60
+
+
+def test_moves_that_can_run_during_the_step_before_are_worth_a_better_balance() -> None:
+    """Owners 3:1 on two stages. Moving one op costs more than the balance gains when the step
+    waits for it, and nothing when it moves during the step before (it fits in that step)."""
+    from pipeline.partition import _schedule, predicted_step
+
+    def problem(state_bytes: int) -> PartitionProblem:
+        ops = tuple(OpCost(f"op{k}", 1e-3, 2e-3, state_bytes, 0, 0) for k in range(4))
+        return PartitionProblem(ops, (1000,) * 5, 2, 8, "1f1b", 1e9, 1e-5)
+
+    sched = _schedule("1f1b", 2, 8)
+    prev = {"op0": 0, "op1": 0, "op2": 0, "op3": 1}
+    probe = problem(0)
+    stay, balanced = evaluate(probe, (0, 3, 4), prev), evaluate(probe, (0, 2, 4), prev)
+    gain = predicted_step(probe, stay, 0.0, sched) - predicted_step(probe, balanced, 0.0, sched)
+    window = predicted_step(probe, balanced, 0.0, sched)
+    assert 0 < gain < window
+    move_s = (gain + window) / 2  # dearer than the gain, cheaper than the step before
+    p = problem(int(move_s * 1e9))
+    planner = DynamicPlanner(0.5, objective="step")
+    assert planner.plan(p, prev).bounds == (0, 3, 4)  # every move waits: stay put
+    assert planner.plan(p, prev, busy=frozenset({"op3"})).bounds == (0, 2, 4)  # op2 moves early
+    assert planner.plan(p, prev, busy=frozenset({"op2"})).bounds == (0, 3, 4)  # op2 is in use: stay
