@@ -138,6 +138,32 @@ def measure_link(rank: int, sizes: tuple[int, ...] = (1 << 10, 1 << 22), repeats
     return float(fit[0]), float(fit[1])
 
 
+def measure_interference(rank: int, work, repeats: int = 20) -> dict:
+    """How much slower rank 0 runs ``work()`` while rank 1 runs it too than while rank 1 waits:
+    on a machine whose cores share caches, memory bandwidth or a physical core, a balanced
+    pipeline (both stages busy at once) computes slower than the per-op profile (one process
+    alone) says. Collective over all ranks; returns rank 0's median seconds alone and together."""
+    import statistics
+
+    import torch.distributed as dist
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        work()
+        return time.perf_counter() - t0
+
+    work()  # warm up
+    dist.barrier()
+    alone = [timed() for _ in range(repeats)] if rank == 0 else []
+    dist.barrier()
+    together = [timed() for _ in range(repeats)]
+    dist.barrier()
+    if rank != 0:
+        return {}
+    a, t = statistics.median(alone), statistics.median(together)
+    return {"alone_s": a, "together_s": t, "slowdown": t / a}
+
+
 def link_worker(spec: dict, rank: int, world: int) -> dict:
     """``spawn(2, "bench._spawn:link_worker", {})``: the fitted gloo loopback link."""
     latency, bandwidth = measure_link(rank)

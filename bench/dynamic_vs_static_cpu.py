@@ -1,35 +1,46 @@
 """Issue 4 on real processes: dynamic vs static (and equal-count) partitioning, P=2, gloo, CPU,
 and a check of the simulator against the measured step times.
 
-Space: transformer, 8 layers, width 256, candidates ffn8 / identity / attn4 / conv5 (per-op
-costs from ~0 to several ms, so where to cut matters), batches of 32 samples of 16 tokens x 32
-features, SGD with momentum, 1F1B, M in {4, 8}. Every rank plans with the measured profile
-(pipeline.profile.shared_profile, measured afresh at the start of the run and passed as
+Spaces (``--space``; transformer, width 256, SGD with momentum, 1F1B, M in ``--microbatches``):
+
+* ``spread`` (the demonstration): 12 layers over six candidates whose costs spread widely (a
+  16x FFN, GLU, attention, cheap convolutions, a skip), batches of 64 samples of 32 tokens, so
+  that a step takes about a second and per-message latency is a small part of it;
+* ``mix``: 8 layers of ffn8 / identity / attn4 / conv5, batches of 32 x 16 tokens (a smaller
+  predicted gain, ~5-8 %, of the size of this machine's noise);
+* ``skewed``: 6 layers of ffn16 / identity.
+
+Every rank plans with the measured profile (pipeline.profile.shared_profile, passed as
 PipelineEngine(costs=...)) and the link measured with the runtime's transport. The planners
 (dynamic with the step objective, static, equal, and dynamic with the minmax objective at each
---extra-eps) run in the SAME
-invocation on the same arch stream and data: one engine per planner, stepped in turn (step k of
-each, then step k + 1), so they see the same machine load.
+--extra-eps) run in the SAME invocation on the same arch stream and data: one engine per
+planner, stepped in turn (step k of each, then step k + 1; the order rotates every step), so
+they see the same machine. Headline: throughput over the measured steps (samples / total time
+of the same subnets), dynamic over static, with a 90 % bootstrap interval over the paired
+steps; the steps where both planners cut alike give the noise floor.
+
+Also measured in the same run: how much slower one rank computes while the other computes too
+(``two_ranks_computing_at_once``: the two cores of this VM share caches and memory bandwidth,
+so a balanced pipeline runs its ops slower than the one-process profile says).
 
 Simulator check: before each step the engine's own (pure) plan is read with ``engine.plan``;
 the step is predicted with pipeline.simulate.simulate from the profile's per-op fwd/bwd times
 summed per stage and send = latency + cut bytes / bandwidth, plus the planner's migration model
 (moved bytes / bandwidth + latency per moved op). Measured step time: the slowest rank's wall
 time of the step. A bench-only probe times each engine's migration phase, so the error is also
-given for the pipeline part alone (step minus migration), and migration is also predicted per
-message (the transport sends a header, the metadata and one message per state tensor).
-The machine is shared with other jobs (the load average is recorded): ``contention``, the
-compute wall time per CPU second the ranks got, marks the steps that ran undisturbed (<= 1.10:
-"quiet"); figures are also given over those.
+given for the pipeline part alone (step minus migration). ``contention``, the compute wall time
+per CPU second the ranks got, marks the steps that ran undisturbed by other jobs.
 
-Profile check without the pipeline: after each round rank 0 alone (rank 1 idle in a barrier)
-runs the same step in a single-process ReferenceEngine, predicted as M x sum(fwd + bwd).
+Profile check without the pipeline: every ``--profile-check-every`` steps rank 0 alone (rank 1
+idle in a barrier) runs the same step in a single-process ReferenceEngine, predicted as
+M x sum(fwd + bwd). Every step's raw figures go to bench/out/dynamic_vs_static_cpu_steps.json.
 
-    python bench/dynamic_vs_static_cpu.py [--steps 24] [--warmup 2] [--microbatches 4 8]
+    python bench/dynamic_vs_static_cpu.py [--space spread] [--microbatches 4 8] [--steps 62]   # ~7 min
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -41,33 +52,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn, time_migrations  # noqa: E402
+from bench._spawn import OUT, QUIET, contention, emit, measure_interference, measure_link, progress, spawn, time_migrations  # noqa: E402
 
 SPACES = {
     # NASPipe-like mix: per-layer candidate costs spread moderately (the gain is a few per cent)
-    "mix": dict(layers=8, width=256, candidates=["ffn8", "identity", "attn4", "conv5"]),
+    "mix": dict(layers=8, width=256, candidates=["ffn8", "identity", "attn4", "conv5"], sample=(16, 32), batch=32),
     # strongly skewed costs: a wide FFN or nothing; a static split is often far off balance
-    "skewed": dict(layers=6, width=256, candidates=["ffn16", "identity"]),
+    "skewed": dict(layers=6, width=256, candidates=["ffn16", "identity"], sample=(16, 32), batch=32),
+    # a wide spread over six candidates (one heavy FFN, cheap convolutions, GLU, attention, a skip),
+    # 12 layers, and batches large enough that per-message latency is a small part of a step
+    "spread": dict(layers=12, width=256, candidates=["ffn16", "conv1", "glu", "identity", "sepconv3", "attn2"],
+                   sample=(32, 32), batch=64),
 }
-SPACE = SPACES["mix"]  # the one in use (set from --space)
-SAMPLE = (16, 32)
-BATCH = 32
 P = 2
 PLANNERS = ("dynamic", "static", "equal")
 SCHEDULE = "1f1b"
 
 
-def _graph():
+def _graph(space: dict):
     from supernet.spaces import build_space
 
-    global SPACE
-    SPACE = SPACES[os.environ.get("PIPENAS_BENCH_SPACE", "mix")]
-    return build_space("transformer", input_shape=SAMPLE, num_classes=10, **SPACE)
+    return build_space("transformer", input_shape=tuple(space["sample"]), num_classes=10, layers=space["layers"],
+                       width=space["width"], candidates=space["candidates"])
 
 
-def _data(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(space: dict, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + step)
-    return torch.randn(BATCH, *SAMPLE, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    batch, sample = space["batch"], tuple(space["sample"])
+    return torch.randn(batch, *sample, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
 def _predict(engine, plan, table, schedule, latency: float, bandwidth: float) -> dict:
@@ -100,6 +112,19 @@ def _state_tensors(engine, op_id: str) -> int:
     return 2 * params + len(list(module.buffers()))  # SGD with momentum: one buffer per weight
 
 
+def _ffn_work(space: dict, microbatch: int):
+    """One micro-batch forward and backward through a wide FFN (the heaviest kind of op here)."""
+    tokens, width = microbatch * space["sample"][0], space["width"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, width, generator=g)
+    w1 = torch.randn(width, 16 * width, generator=g, requires_grad=True)
+    w2 = torch.randn(16 * width, width, generator=g, requires_grad=True)
+
+    def work() -> None:
+        (torch.relu(x @ w1) @ w2).sum().backward()
+    return work
+
+
 def worker(spec: dict, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
@@ -108,13 +133,16 @@ def worker(spec: dict, rank: int, world: int) -> dict:
     from pipeline.runtime import PipelineEngine
 
     latency, bandwidth = measure_link(rank)
-    graph = _graph()
+    space = SPACES[spec["space"]]
+    graph = _graph(space)
+    sample, batch = tuple(space["sample"]), space["batch"]
+    interference = measure_interference(rank, _ffn_work(space, batch // max(spec["microbatches"])))
     archs = [graph.space().random(rng) for rng in [random.Random(spec["seed"])] for _ in range(spec["steps"])]
     optim = OptimConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=1e-4)
     lr = LrSchedule(optim.lr, 1000)
-    out = {"link": {"latency_s": latency, "bandwidth": bandwidth}, "settings": []}
+    out = {"link": {"latency_s": latency, "bandwidth": bandwidth}, "interference": interference, "settings": []}
     for M in spec["microbatches"]:
-        table = shared_profile(graph, SAMPLE, BATCH // M, "sgd", rank, world, "cpu", repeats=15,
+        table = shared_profile(graph, sample, batch // M, "sgd", rank, world, "cpu", repeats=15,
                                use_cache=spec["cached_profile"])
         engines, boxes = {}, {}
         for label, planner, eps in spec["planners"]:
@@ -132,8 +160,11 @@ def worker(spec: dict, rank: int, world: int) -> dict:
         reference = ReferenceEngine(graph, spec["seed"], optim, M, lr, "cpu") if rank == 0 else None
         single = []
         for step, arch in enumerate(archs):
-            x, y = _data(spec["seed"], step)
-            for label, engine in engines.items():
+            x, y = _data(space, spec["seed"], step)
+            labels = list(engines)
+            labels = labels[step % len(labels):] + labels[:step % len(labels)]  # no planner always goes first
+            for label in labels:
+                engine = engines[label]
                 # the planner exists once the first step made it; step 0 is a warm-up anyway
                 pred = _predict(engine, engine.plan(arch), table, engine.schedule, latency, bandwidth) \
                     if engine.planner is not None else None
@@ -146,15 +177,24 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                 dist.all_gather_object(stats, (engine.stats.wall_s, engine.stats.busy_s, engine.stats.migrated_ops,
                                                engine.stats.migrated_bytes, cpu, boxes[label][0]))
                 steps[label].append({"loss": r.loss, "ranks": stats, "pred": pred})
-            if reference is not None:
+            if reference is not None and step % spec["profile_check_every"] == 0:
                 t0, c0 = time.perf_counter(), time.process_time()
                 reference.train_step(step, arch, x, y)
-                single.append((time.perf_counter() - t0, time.process_time() - c0,
+                single.append((step, time.perf_counter() - t0, time.process_time() - c0,
                                M * sum(table.ops[op.op_id].fwd + table.ops[op.op_id].bwd
                                        for op in graph.active_ops(arch))))
             dist.barrier()
         out["settings"].append({"M": M, "steps": steps, "single_process": single})
     return out
+
+
+def _bootstrap_ratio(dynamic: list[float], static: list[float], n: int = 2000, seed: int = 0) -> list[float]:
+    """5th and 95th percentiles of sum(static) / sum(dynamic) over steps resampled in pairs."""
+    rng = random.Random(seed)
+    idx = range(len(dynamic))
+    ratios = sorted(sum(static[i] for i in pick) / sum(dynamic[i] for i in pick)
+                    for pick in ([rng.choice(idx) for _ in idx] for _ in range(n)))
+    return [ratios[int(0.05 * n)], ratios[int(0.95 * n) - 1]]
 
 
 def _rel(pred: float, meas: float) -> float:
@@ -166,7 +206,7 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
-def summarize(steps: list[dict]) -> dict:
+def summarize(steps: list[dict], batch: int) -> dict:
     """One planner's figures over its measured steps."""
     wall = [max(r[0] for r in s["ranks"]) for s in steps]
     mig = [max(r[5] for r in s["ranks"]) for s in steps]
@@ -176,9 +216,9 @@ def summarize(steps: list[dict]) -> dict:
     err_pipe = [_rel(p["pipeline"], w - m) for p, w, m in zip(pred, wall, mig)]
     quiet = [i for i, c in enumerate(cont) if c <= QUIET]
     return {
-        "samples_per_s": BATCH / _med(wall),
-        "samples_per_s_without_migration": BATCH / _med(w - m for w, m in zip(wall, mig)),
-        "predicted_samples_per_s": BATCH / _med(p["step"] for p in pred),
+        "samples_per_s": batch / _med(wall),
+        "samples_per_s_without_migration": batch / _med(w - m for w, m in zip(wall, mig)),
+        "predicted_samples_per_s": batch / _med(p["step"] for p in pred),
         "step_ms_median": 1e3 * _med(wall),
         "predicted_step_ms_median": 1e3 * _med(p["step"] for p in pred),
         "migrated_ops_per_step": statistics.fmean(s["ranks"][0][2] for s in steps),
@@ -198,7 +238,7 @@ def summarize(steps: list[dict]) -> dict:
         "measured_busy_sum_ms_median": 1e3 * _med(sum(r[1] for r in s["ranks"]) for s in steps),
         "predicted_busy_sum_ms_median": 1e3 * _med(sum(p["busy"]) for p in pred),
         "contention_median": _med(cont), "quiet_steps": len(quiet),
-        "quiet_samples_per_s": BATCH / _med(wall[i] for i in quiet) if quiet else None,
+        "quiet_samples_per_s": batch / _med(wall[i] for i in quiet) if quiet else None,
         "quiet_sim_abs_rel_error_median": _med(abs(err[i]) for i in quiet),
         "quiet_sim_pipeline_only_abs_rel_error_median": _med(abs(err_pipe[i]) for i in quiet),
         "_err": err, "_err_pipe": err_pipe,
@@ -207,38 +247,44 @@ def summarize(steps: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=24, help="steps per planner, warm-up included")
+    ap.add_argument("--steps", type=int, default=62, help="steps per planner, warm-up included")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eps", type=float, default=0.05)
-    ap.add_argument("--space", choices=sorted(SPACES), default="mix")
+    ap.add_argument("--space", choices=sorted(SPACES), default="spread")
     ap.add_argument("--migration-overhead", type=float, default=2e-3,
                     help="pipeline.migration_overhead_s of the dynamic planner (seconds per moved op)")
-    ap.add_argument("--extra-eps", type=float, nargs="*", default=[0.05],
+    ap.add_argument("--extra-eps", type=float, nargs="*", default=[],
                     help="also run the dynamic planner with these eps (fewer migrations)")
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--profile-check-every", type=int, default=4,
+                    help="run the single-process profile check every this many steps")
     ap.add_argument("--cached-profile", action="store_true",
                     help="reuse a cached profile (default: measure afresh, under this run's machine load)")
     args = ap.parse_args()
-    os.environ["PIPENAS_BENCH_SPACE"] = args.space  # the spawned ranks build the same space
     planners = [("dynamic", "dynamic", args.eps), ("static", "static", args.eps), ("equal", "equal", args.eps),
                 *((f"dynamic_minmax_eps{e:g}", "dynamic", e) for e in args.extra_eps)]
-    spec = {"migration_overhead_s": args.migration_overhead, "seed": args.seed, "steps": args.steps, "planners": planners, "microbatches": args.microbatches,
+    spec = {"space": args.space, "profile_check_every": args.profile_check_every, "migration_overhead_s": args.migration_overhead, "seed": args.seed, "steps": args.steps, "planners": planners, "microbatches": args.microbatches,
             "threads": 1, "timeout_s": 600, "cached_profile": args.cached_profile}
     progress(f"{P} gloo ranks, planners {[p[0] for p in planners]}, M in {args.microbatches}, "
              f"{args.steps} steps each ...")
     t0 = time.perf_counter()
     res = spawn(P, "bench.dynamic_vs_static_cpu:worker", spec, timeout_s=1800)
     progress(f"done in {time.perf_counter() - t0:.1f} s; link {res['link']}")
+    raw = OUT / "dynamic_vs_static_cpu_steps.json"  # every step of every planner, for a closer look
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(res))
     rows, all_err, all_err_pipe = [], [], []
     for setting in res["settings"]:
         M = setting["M"]
-        row = {"bench": "dynamic_vs_static_cpu", "P": P, "M": M, "schedule": SCHEDULE, "batch": BATCH,
-               "space": dict(SPACES[args.space], name="transformer", key=args.space, sample=list(SAMPLE)), "eps": args.eps,
-               "steps_measured": args.steps - args.warmup, "link": res["link"]}
+        space = SPACES[args.space]
+        row = {"bench": "dynamic_vs_static_cpu", "P": P, "M": M, "schedule": SCHEDULE, "batch": space["batch"],
+               "space": dict(space, name="transformer", key=args.space, sample=list(space["sample"])), "eps": args.eps,
+               "steps_measured": args.steps - args.warmup, "link": res["link"],
+               "two_ranks_computing_at_once": res["interference"]}
         setting_err, setting_err_pipe, losses = [], [], {}
         for label, _, _ in planners:
-            fig = summarize(setting["steps"][label][args.warmup:])
+            fig = summarize(setting["steps"][label][args.warmup:], space["batch"])
             setting_err += [abs(e) for e in fig.pop("_err")]
             setting_err_pipe += [abs(e) for e in fig.pop("_err_pipe")]
             losses[label] = [s["loss"] for s in setting["steps"][label]]
@@ -248,9 +294,32 @@ def main() -> None:
         row["dynamic_over_equal"] = d["samples_per_s"] / e["samples_per_s"]
         row["dynamic_over_static_without_migration"] = d["samples_per_s_without_migration"] / s_["samples_per_s"]
         row["predicted_dynamic_over_static"] = d["predicted_samples_per_s"] / s_["predicted_samples_per_s"]
+        # the same subnet's step under both planners, stepped back to back: the pairing takes the
+        # subnet-to-subnet spread and slow drifts of the machine out of the comparison
+        walls = {k: [max(r[0] for r in st["ranks"]) for st in setting["steps"][k][args.warmup:]]
+                 for k in setting["steps"]}
+        paired = sorted(sw / dw for dw, sw in zip(walls["dynamic"], walls["static"]))
+        row["paired_static_over_dynamic_step"] = {
+            "median": _med(paired), "q25": paired[len(paired) // 4], "q75": paired[(3 * len(paired)) // 4],
+            "dynamic_faster_fraction": sum(r > 1 for r in paired) / len(paired)}
+        # throughput = samples / total time over the same subnets; a bootstrap over the paired
+        # steps gives its spread, and the steps where both planners cut alike show the noise floor
+        row["dynamic_over_static_throughput"] = sum(walls["static"]) / sum(walls["dynamic"])
+        row["dynamic_over_static_throughput_ci90"] = _bootstrap_ratio(walls["dynamic"], walls["static"])
+        predicted = {k: sum(st["pred"]["step"] for st in setting["steps"][k][args.warmup:]) for k in ("dynamic", "static")}
+        row["predicted_dynamic_over_static_throughput"] = predicted["static"] / predicted["dynamic"]
+        same = [sd["pred"]["bounds"] == ss["pred"]["bounds"] for sd, ss in
+                zip(setting["steps"]["dynamic"][args.warmup:], setting["steps"]["static"][args.warmup:])]
+        for key, keep in (("same_cut", True), ("different_cut", False)):
+            d_ = [w for w, k in zip(walls["dynamic"], same) if k == keep]
+            s2 = [w for w, k in zip(walls["static"], same) if k == keep]
+            row[f"dynamic_over_static_throughput_{key}"] = {"steps": len(d_), "ratio": sum(s2) / sum(d_) if d_ else None}
+        for label, _, _ in planners:
+            row[label]["samples_per_s_total"] = space["batch"] * len(walls[label]) / sum(walls[label])
+        row["dynamic_over_equal_throughput"] = sum(walls["equal"]) / sum(walls["dynamic"])
         for label, _, _ in planners[3:]:
             row[f"{label}_over_static"] = row[label]["samples_per_s"] / s_["samples_per_s"]
-        single = setting["single_process"][args.warmup:]
+        single = [tuple(r[1:]) for r in setting["single_process"] if r[0] >= args.warmup]
         row["profile_check_single_process"] = {
             "what": "one process, 1 thread, same steps: step wall / CPU time vs M x sum(fwd + bwd) of the profile",
             "abs_rel_error_median": _med(abs(_rel(p, t)) for t, _, p in single),
