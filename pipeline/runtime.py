@@ -253,7 +253,10 @@ class PipelineEngine:
         step does not use (their state cannot change before the next step)."""
         if self._early_transport is None or not self._upcoming:
             return
-        nxt = self._plan_with(self._upcoming[0], self.owners, current.arch)
+        # made ahead a step ago in the background (the chain waited for in plan()), as a rule
+        arch = self._upcoming[0]
+        nxt = (self._ahead.get(self._key(arch, self.owners, current.arch))
+               or self._plan_with(arch, self.owners, current.arch))
         busy = {op.op_id for sl in current.slices for op in sl.ops}
         early = [mv for mv in moves([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds, self.owners)
                  if mv.op_id not in busy]
