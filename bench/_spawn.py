@@ -138,11 +138,12 @@ def measure_link(rank: int, sizes: tuple[int, ...] = (1 << 10, 1 << 22), repeats
     return float(fit[0]), float(fit[1])
 
 
-def measure_interference(rank: int, work, repeats: int = 20) -> dict:
+def measure_interference(rank: int, work, rounds: int = 6, repeats: int = 8) -> dict:
     """How much slower rank 0 runs ``work()`` while rank 1 runs it too than while rank 1 waits:
     on a machine whose cores share caches, memory bandwidth or a physical core, a balanced
     pipeline (both stages busy at once) computes slower than the per-op profile (one process
-    alone) says. Collective over all ranks; returns rank 0's median seconds alone and together."""
+    alone) says. Alone and together alternate for ``rounds`` rounds (this VM's speed drifts);
+    collective over all ranks; returns rank 0's median slowdown over the rounds and its range."""
     import statistics
 
     import torch.distributed as dist
@@ -153,15 +154,18 @@ def measure_interference(rank: int, work, repeats: int = 20) -> dict:
         return time.perf_counter() - t0
 
     work()  # warm up
-    dist.barrier()
-    alone = [timed() for _ in range(repeats)] if rank == 0 else []
-    dist.barrier()
-    together = [timed() for _ in range(repeats)]
-    dist.barrier()
+    ratios = []
+    for _ in range(rounds):
+        dist.barrier()
+        alone = [timed() for _ in range(repeats)] if rank == 0 else []
+        dist.barrier()
+        together = [timed() for _ in range(repeats)]
+        dist.barrier()
+        if rank == 0:
+            ratios.append(statistics.median(together) / statistics.median(alone))
     if rank != 0:
         return {}
-    a, t = statistics.median(alone), statistics.median(together)
-    return {"alone_s": a, "together_s": t, "slowdown": t / a}
+    return {"slowdown": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": rounds}
 
 
 def link_worker(spec: dict, rank: int, world: int) -> dict:

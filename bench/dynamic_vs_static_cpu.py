@@ -188,6 +188,23 @@ def worker(spec: dict, rank: int, world: int) -> dict:
     return out
 
 
+def _cut_class(pairs: list[tuple[dict, dict]]) -> dict:
+    """Static over dynamic, summed over paired steps (dynamic's step, static's step): the step
+    time measured and predicted, the slowest rank's compute measured and predicted, and the
+    compute summed over both ranks (the same ops either way: above 1 where dynamic's ran faster)."""
+    if not pairs:
+        return {"steps": 0}
+
+    def ratio(f) -> float:
+        return sum(f(s) for _, s in pairs) / sum(f(d) for d, _ in pairs)
+    return {"steps": len(pairs),
+            "ratio": ratio(lambda st: max(r[0] for r in st["ranks"])),
+            "predicted": ratio(lambda st: st["pred"]["step"]),
+            "slowest_rank_compute": ratio(lambda st: max(r[1] for r in st["ranks"])),
+            "predicted_slowest_rank_compute": ratio(lambda st: max(st["pred"]["busy"])),
+            "compute_summed_over_ranks": ratio(lambda st: sum(r[1] for r in st["ranks"]))}
+
+
 def _bootstrap_ratio(dynamic: list[float], static: list[float], n: int = 2000, seed: int = 0) -> list[float]:
     """5th and 95th percentiles of sum(static) / sum(dynamic) over steps resampled in pairs."""
     rng = random.Random(seed)
@@ -308,12 +325,10 @@ def main() -> None:
         row["dynamic_over_static_throughput_ci90"] = _bootstrap_ratio(walls["dynamic"], walls["static"])
         predicted = {k: sum(st["pred"]["step"] for st in setting["steps"][k][args.warmup:]) for k in ("dynamic", "static")}
         row["predicted_dynamic_over_static_throughput"] = predicted["static"] / predicted["dynamic"]
-        same = [sd["pred"]["bounds"] == ss["pred"]["bounds"] for sd, ss in
-                zip(setting["steps"]["dynamic"][args.warmup:], setting["steps"]["static"][args.warmup:])]
+        pairs = list(zip(setting["steps"]["dynamic"][args.warmup:], setting["steps"]["static"][args.warmup:]))
         for key, keep in (("same_cut", True), ("different_cut", False)):
-            d_ = [w for w, k in zip(walls["dynamic"], same) if k == keep]
-            s2 = [w for w, k in zip(walls["static"], same) if k == keep]
-            row[f"dynamic_over_static_throughput_{key}"] = {"steps": len(d_), "ratio": sum(s2) / sum(d_) if d_ else None}
+            row[f"dynamic_over_static_throughput_{key}"] = _cut_class(
+                [(d_, s2) for d_, s2 in pairs if (d_["pred"]["bounds"] == s2["pred"]["bounds"]) == keep])
         for label, _, _ in planners:
             row[label]["samples_per_s_total"] = space["batch"] * len(walls[label]) / sum(walls[label])
         row["dynamic_over_equal_throughput"] = sum(walls["equal"]) / sum(walls["dynamic"])
