@@ -199,17 +199,15 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
     zero = np.zeros(1)
     state = np.array([op.param_bytes + op.optim_bytes for op in ops], dtype=np.int64)
     cut = np.array(problem.cut_bytes, dtype=np.int64)
-    moves = np.zeros((P, len(ops)), dtype=np.int64)
-    moving = np.zeros((P, len(ops)), dtype=np.int64)  # 1 where the op would change owner
-    if previous is not None:
-        for k, op in enumerate(ops):
-            owner = previous.get(op.op_id)
-            if owner is None:
-                continue  # an op nobody owns yet costs nothing to place
-            if not _is_int(owner):
-                raise PartitionError(f"previous[{op.op_id!r}]: expected a stage index (int), found {owner!r}")
-            moves[:, k] = np.where(np.arange(P) == owner, 0, state[k])
-            moving[:, k] = np.arange(P) != owner
+    # owner per op, -1 where nobody owns it yet (placing such an op costs nothing)
+    owners = [None if previous is None else previous.get(op.op_id) for op in ops]
+    for op, owner in zip(ops, owners):
+        if owner is not None and not _is_int(owner):
+            raise PartitionError(f"previous[{op.op_id!r}]: expected a stage index (int), found {owner!r}")
+    owners = [-1 if o is None else o for o in owners]
+    owner = np.array(owners, dtype=np.int64)[None, :]
+    moving = ((np.arange(P)[:, None] != owner) & (owner >= 0)).astype(np.int64)  # 1 where it would move
+    moves = moving * state[None, :]
     budget = problem.memory_budget if problem.memory_budget is not None else (math.inf,) * P
     in_use = np.array([busy is None or op.op_id in busy for op in ops], dtype=np.int64)
 
@@ -323,27 +321,38 @@ def _infeasible(problem: PartitionProblem, t: _Tables, memory: list[np.ndarray],
 def _fewest_moves(T: list, MV: list, threshold: float, N: int, P: int) -> tuple[int, ...]:
     """The bounds with every stage's time <= ``threshold`` that move the fewest bytes, then have
     the smallest slowest stage, then the smallest bounds (``T`` is inf where memory does not fit)."""
-    # Suffix DP over (stage, first op): lexicographic min of (moved bytes, slowest stage).
-    ga = [np.full(N + 1, np.inf) for _ in range(P + 1)]
-    gb = [np.full(N + 1, np.inf) for _ in range(P + 1)]
-    ga[P][N] = gb[P][N] = 0.0
+    return _fewest_moves_many(T, MV, (threshold,), N, P)[0]
+
+
+def _fewest_moves_many(T: list, MV: list, thresholds: Sequence[float], N: int, P: int) -> list[tuple[int, ...]]:
+    """:func:`_fewest_moves` for several thresholds at once (one DP over a threshold axis)."""
+    G = len(thresholds)
+    th = np.asarray(thresholds, dtype=float)[:, None, None]
+    # Suffix DP over (threshold, stage, first op): lexicographic min of (moved bytes, slowest stage).
+    ga = [np.full((G, N + 1), np.inf) for _ in range(P + 1)]
+    gb = [np.full((G, N + 1), np.inf) for _ in range(P + 1)]
+    ga[P][:, N] = gb[P][:, N] = 0.0
     for s in reversed(range(P)):
-        ca = np.where(np.isfinite(T[s]) & (T[s] <= threshold), MV[s] + ga[s + 1][None, :], np.inf)
-        cb = np.maximum(T[s], gb[s + 1][None, :])
-        ga[s] = ca.min(axis=1)
-        gb[s] = np.where(np.isfinite(ga[s]), np.where(ca == ga[s][:, None], cb, np.inf).min(axis=1), np.inf)
+        allowed = np.isfinite(T[s])[None] & (T[s][None] <= th)
+        ca = np.where(allowed, MV[s][None] + ga[s + 1][:, None, :], np.inf)
+        cb = np.maximum(T[s][None], gb[s + 1][:, None, :])
+        ga[s] = ca.min(axis=2)
+        gb[s] = np.where(np.isfinite(ga[s]), np.where(ca == ga[s][:, :, None], cb, np.inf).min(axis=2), np.inf)
 
     # Walk forward taking the smallest next bound that can still reach (moved, slowest) exactly.
-    best_moved, best_time = ga[0][0], gb[0][0]
-    bounds, i, remaining = [0], 0, best_moved
+    rows = np.arange(G)
+    best_time, remaining = gb[0][:, 0], ga[0][:, 0].copy()
+    i = np.zeros(G, dtype=np.int64)
+    bounds = [i]
     for s in range(P):
-        ok = (np.isfinite(T[s][i]) & (T[s][i] <= threshold) & (MV[s][i] + ga[s + 1] == remaining)
-              & (np.maximum(T[s][i], gb[s + 1]) <= best_time))
-        j = int(np.flatnonzero(ok)[0])
-        remaining -= MV[s][i, j]
+        Ti, MVi = T[s][i], MV[s][i]  # (G, N + 1): the rows of each threshold's current bound
+        ok = (np.isfinite(Ti) & (Ti <= th[:, :, 0]) & (MVi + ga[s + 1] == remaining[:, None])
+              & (np.maximum(Ti, gb[s + 1]) <= best_time[:, None]))
+        j = ok.argmax(axis=1)  # the first bound that works (there is one: the DP found it)
+        remaining = remaining - MVi[rows, j]
         bounds.append(j)
         i = j
-    return tuple(bounds)
+    return [tuple(int(b[g]) for b in bounds) for g in range(G)]
 
 
 def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, eps: float = 0.0) -> Partition:
@@ -431,9 +440,8 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
         raise _infeasible(problem, t, MEM, upper)
     best: tuple[float, tuple[int, ...]] | None = None
     scored: set[tuple[int, ...]] = set()
-    for e in grid:
-        threshold = math.inf if math.isinf(e) else (1.0 + e) * optimum * (1.0 + REL_SLACK)
-        bounds = _fewest_moves(T, MV, threshold, N, P)
+    thresholds = [math.inf if math.isinf(e) else (1.0 + e) * optimum * (1.0 + REL_SLACK) for e in grid]
+    for bounds in _fewest_moves_many(T, MV, thresholds, N, P):
         if bounds in scored:
             continue
         scored.add(bounds)
