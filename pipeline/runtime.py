@@ -67,6 +67,7 @@ class StepStats:
     plan_s: float = 0.0  # planning time on the critical path (near zero when planned ahead)
     early_migrated_ops: int = 0  # ops that moved during the previous step, off the critical path
     planned_ahead: bool = False
+    bounds: tuple[int, ...] = ()  # the partition of the last step (or evaluation)
 
 
 class PipelineEngine:
@@ -188,6 +189,7 @@ class PipelineEngine:
         self._committed = None
         self._ahead.pop(key, None)
         self.stats.plan_s = time.perf_counter() - t0
+        self.stats.bounds = plan.partition.bounds
         return plan
 
     def plan_ahead(self, archs: Sequence[Arch]) -> None:

@@ -43,6 +43,7 @@ class Scenario:
     load: str = ""  # checkpoint of op states to resume from
     save: str = ""  # where rank 0 saves the final op states
     extra: dict = field(default_factory=dict)
+    plan_ahead: bool = True  # give the engine the next subnets, as the app does with the sampler's peek
 
 
 def build_graph(space: str):
@@ -80,11 +81,13 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs)
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
-    losses, mb_losses, migrated, peaks, ahead, early = [], [], 0, 0, 0, 0
+    losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
     for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
         x, y = step_data(sc.seed, step, sc.batch)
-        engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
+        if sc.plan_ahead:
+            engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
         r = engine.train_step(step, archs[step], x, y)
+        bounds.append(list(getattr(getattr(engine, "stats", None), "bounds", ())))
         ahead += bool(getattr(getattr(engine, "stats", None), "planned_ahead", False))
         early += getattr(getattr(engine, "stats", None), "early_migrated_ops", 0)
         losses.append(r.loss)
@@ -103,7 +106,8 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     return {
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
-        "migrated": migrated, "peak_in_flight": peaks, "planned_ahead": ahead, "early_migrated": early, "engine": engine,
+        "migrated": migrated, "peak_in_flight": peaks, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "engine": engine,
     }
 
 
