@@ -14,7 +14,7 @@ supernet's mean costs, oracle) it walks the same stream of --subnets uniformly s
 tracking op owners across subnets exactly as the runtime does (initial_owners, moves), and per
 subnet: plans (timed), simulates the 1F1B step (pipeline.simulate: per-stage fwd/bwd sums,
 send = latency + cut bytes / bandwidth) and adds the migration the step waits for, as the
-runtime migrates (pipeline.partition.migration_wait): an op the previous subnet used moves after
+runtime migrates (pipeline.planners.migration_wait): an op the previous subnet used moves after
 that step (moved bytes / bandwidth + latency per op, on the critical path); the others move
 during the previous step and count only by what exceeds its duration. The oracle pays none by
 definition. ``dynamic_all_wait`` is the same planner told nothing about the previous subnet and
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import emit, progress, spawn  # noqa: E402
 from pipeline.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
-from pipeline.partition import DynamicPlanner, OraclePlanner, StaticPlanner, migration_wait  # noqa: E402
+from pipeline.planners import DynamicPlanner, OraclePlanner, StaticPlanner, migration_wait  # noqa: E402
 from pipeline.placement import initial_owners, moves  # noqa: E402
 from pipeline.profile import measured_costs  # noqa: E402
 from pipeline.schedule import build as build_schedule  # noqa: E402

@@ -32,7 +32,8 @@ from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classifica
 
 from .costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
-from .partition import Partition, StaticPlanner, make_planner
+from .partition import Partition
+from .planners import StaticPlanner, make_planner
 from .placement import Move, initial_owners, moves, stages_of
 from .schedule import Schedule, build as build_schedule, forward_only, validate
 from .settings import DistEnv, PipelineSettings
