@@ -335,7 +335,7 @@ def main() -> None:
         for label, _, _ in planners[3:]:
             row[f"{label}_over_static"] = row[label]["samples_per_s"] / s_["samples_per_s"]
         single = [tuple(r[1:]) for r in setting["single_process"] if r[0] >= args.warmup]
-        row["profile_check_single_process"] = {
+        row["profile_check_single_process"] = None if not single else {
             "what": "one process, 1 thread, same steps: step wall / CPU time vs M x sum(fwd + bwd) of the profile",
             "abs_rel_error_median": _med(abs(_rel(p, t)) for t, _, p in single),
             "signed_rel_error_median": _med(_rel(p, t) for t, _, p in single),
