@@ -69,27 +69,31 @@ def _move_seconds(problem, part, previous):
                for op in problem.ops if op.op_id in previous and previous[op.op_id] != assign[op.op_id])
 
 
-def test_step_objective_is_never_worse_than_the_eps_tie_break() -> None:
-    from pipeline.planners import STEP_GRID, predicted_step, solve_step
+@pytest.mark.parametrize("replayed", [False, True])
+def test_step_objective_is_never_worse_than_the_eps_tie_break(replayed: bool) -> None:
+    """Scored by its own measure (the 1F1B/GPipe formula, or the schedule replayed), the choice
+    beats every eps of the grid (and so staying put where that is within the grid)."""
+    from pipeline.planners import STEP_GRID, _schedule, predicted_step, solve_step
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(11 if replayed else 7)
     checked = 0
     for _ in range(150):
         p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
         prev = {op.op_id: int(rng.integers(0, p.num_stages)) for op in p.ops}
+        sched = _schedule(p.schedule, p.num_stages, p.num_microbatches) if replayed else None
         try:
-            best = solve_step(p, prev)
+            best = solve_step(p, prev, schedule=sched)
         except PartitionError:
             with pytest.raises(PartitionError):
                 solve(p, prev)
             continue
         assert best.fits_memory
-        score = predicted_step(p, best, _move_seconds(p, best, prev))
+        score = predicted_step(p, best, _move_seconds(p, best, prev), sched)
         for eps in (e for e in STEP_GRID if math.isfinite(e)):
             other = solve(p, prev, eps)
-            assert score <= predicted_step(p, other, _move_seconds(p, other, prev)) * (1 + 1e-9)
+            assert score <= predicted_step(p, other, _move_seconds(p, other, prev), sched) * (1 + 1e-9)
         checked += 1
-    assert checked > 50
+    assert checked > 40
 
 
 def test_step_objective_without_owners_is_balanced_at_least_as_well_as_the_grid_allows() -> None:
@@ -109,28 +113,6 @@ def test_dynamic_planner_objective_is_validated() -> None:
     assert make_planner("dynamic", objective="step").objective == "step"
     with pytest.raises(PartitionError, match="objective"):
         make_planner("dynamic", objective="fastest")
-
-
-def test_step_objective_with_the_schedule_is_never_worse_by_the_replayed_schedule() -> None:
-    """Scored by the schedule itself, the choice beats every eps of the grid and staying put."""
-    from pipeline.planners import STEP_GRID, _schedule, predicted_step, solve_step
-
-    rng = np.random.default_rng(11)
-    checked = 0
-    for _ in range(120):
-        p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
-        prev = {op.op_id: int(rng.integers(0, p.num_stages)) for op in p.ops}
-        sched = _schedule(p.schedule, p.num_stages, p.num_microbatches)
-        try:
-            best = solve_step(p, prev, schedule=sched)
-        except PartitionError:
-            continue
-        score = predicted_step(p, best, _move_seconds(p, best, prev), sched)
-        for eps in (e for e in STEP_GRID if math.isfinite(e)):
-            other = solve(p, prev, eps)
-            assert score <= predicted_step(p, other, _move_seconds(p, other, prev), sched) * (1 + 1e-9)
-        checked += 1
-    assert checked > 40
 
 
 def test_makespan_equals_the_simulators_step_time() -> None:
