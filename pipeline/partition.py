@@ -192,13 +192,12 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
     zero = np.zeros(1)
     state = np.array([op.param_bytes + op.optim_bytes for op in ops], dtype=np.int64)
     cut = np.array(problem.cut_bytes, dtype=np.int64)
-    # owner per op, -1 where nobody owns it yet (placing such an op costs nothing)
-    owners = [None if previous is None else previous.get(op.op_id) for op in ops]
-    for op, owner in zip(ops, owners):
-        if owner is not None and not _is_int(owner):
-            raise PartitionError(f"previous[{op.op_id!r}]: expected a stage index (int), found {owner!r}")
-    owners = [-1 if o is None else o for o in owners]
-    owner = np.array(owners, dtype=np.int64)[None, :]
+    owner = np.full((1, len(ops)), -1, dtype=np.int64)  # -1: nobody owns it yet, placing it costs nothing
+    for k, op in enumerate(ops if previous is not None else ()):
+        o = previous.get(op.op_id)
+        if o is not None and not _is_int(o):
+            raise PartitionError(f"previous[{op.op_id!r}]: expected a stage index (int), found {o!r}")
+        owner[0, k] = -1 if o is None else o
     moving = ((np.arange(P)[:, None] != owner) & (owner >= 0)).astype(np.int64)  # 1 where it would move
     moves = moving * state[None, :]
     budget = problem.memory_budget if problem.memory_budget is not None else (math.inf,) * P

@@ -94,6 +94,12 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
     optimum, _ = _minmax_dp(T)
     if not math.isfinite(optimum):
         raise _infeasible(problem, t, MEM, upper)
+    stages = np.arange(P)
+
+    def total(prefix: np.ndarray, bounds: tuple[int, ...]) -> int:  # a (P, N+1) prefix table over the split
+        b = np.asarray(bounds)
+        return int((prefix[stages, b[1:]] - prefix[stages, b[:-1]]).sum())
+
     best: tuple[float, tuple[int, ...]] | None = None
     scored: set[tuple[int, ...]] = set()
     thresholds = [math.inf if math.isinf(e) else (1.0 + e) * optimum * (1.0 + REL_SLACK) for e in grid]
@@ -102,15 +108,9 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
             continue
         scored.add(bounds)
         part = _make_partition(t, bounds)
-        b = np.asarray(bounds)
-        s_ = np.arange(P)
-
-        def span(a: np.ndarray) -> int:
-            return int((a[s_, b[1:]] - a[s_, b[:-1]]).sum())
-
         pipeline_s = predicted_step(problem, part, 0.0, schedule)
-        wait = migration_wait(part.moved_bytes, span(t.moved_ops), span(t.busy_moved), span(t.busy_moved_ops),
-                              bw, lat, window=pipeline_s if busy is not None else 0.0)
+        wait = migration_wait(part.moved_bytes, total(t.moved_ops, bounds), total(t.busy_moved, bounds),
+                              total(t.busy_moved_ops, bounds), bw, lat, window=pipeline_s if busy is not None else 0.0)
         score = pipeline_s + wait
         if best is None or score < best[0] * (1 - 1e-12):
             best = (score, bounds)

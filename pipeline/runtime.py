@@ -168,6 +168,10 @@ class PipelineEngine:
         # A plan depends only on the arch, on where its active ops sit now and on the step before.
         return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
 
+    def _planned(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
+        """The plan made ahead for this arch, placement and step before, else a fresh one."""
+        return self._ahead.get(self._key(arch, owners, before)) or self._plan_with(arch, owners, before)
+
     def plan(self, arch: Arch) -> Plan:
         """The partition of ``arch`` given where ops sit now (pure: no messages, no side
         effects): the plan whose early moves are under way if it is for ``arch``, else a plan
@@ -177,8 +181,7 @@ class PipelineEngine:
             self._ahead_job = None
         if self._committed is not None and self._committed.arch == arch:
             return self._committed
-        return (self._ahead.get(self._key(arch, self.owners, self._last_arch))
-                or self._plan_with(arch, self.owners, self._last_arch))
+        return self._planned(arch, self.owners, self._last_arch)
 
     def _take_plan(self, arch: Arch) -> Plan:
         """:meth:`plan`, then forget the plans that were made for this step."""
@@ -200,12 +203,12 @@ class PipelineEngine:
         not made ahead is made when needed, and the result is the same either way."""
         self._upcoming = list(archs)
 
-    def _start_planning_ahead(self, current: Arch) -> None:
+    def _start_planning_ahead(self) -> None:
         if not self._upcoming or self.planner is None:
             return
         archs, owners, self._upcoming = self._upcoming, dict(self.owners), []
         self._ahead = {}
-        nxt, before = self._committed, current
+        nxt, before = self._committed, self._last_arch
         if nxt is not None and nxt.arch == archs[0]:
             # The next plan was made already (to start its early moves): chain on from it.
             owners.update(stages_of([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds))
@@ -256,10 +259,8 @@ class PipelineEngine:
         step does not use (their state cannot change before the next step)."""
         if self._early_transport is None or not self._upcoming:
             return
-        # made ahead a step ago in the background (the chain waited for in plan()), as a rule
-        arch = self._upcoming[0]
-        nxt = (self._ahead.get(self._key(arch, self.owners, current.arch))
-               or self._plan_with(arch, self.owners, current.arch))
+        # as a rule made ahead a step ago, in the background (plan() waited for that chain)
+        nxt = self._planned(self._upcoming[0], self.owners, current.arch)
         busy = {op.op_id for sl in current.slices for op in sl.ops}
         early = [mv for mv in moves([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds, self.owners)
                  if mv.op_id not in busy]
@@ -311,7 +312,7 @@ class PipelineEngine:
             self._last_arch = arch
             self.stats.early_migrated_ops = early
             self._start_early_moves(plan)
-            self._start_planning_ahead(arch)
+            self._start_planning_ahead()
         mine = plan.slices[self.rank]
         runs: dict[int, SliceRun] = {}
         head_grads: dict[int, list] = {}
