@@ -60,6 +60,27 @@ def time_migrations(engine, box: list[float]) -> None:
     engine._migrate = migrate
 
 
+def measured_step(engine, step: int, arch, x, y, lookahead, migration_box: list[float]) -> tuple[Any, list[dict]]:
+    """One pipelined training step as the benchmarks time it: the ranks start together, the
+    engine gets the sampler's lookahead (as the app gives it), and every rank's figures come
+    back, rank by rank: ``wall_s``, ``busy_s`` (compute), ``cpu_s`` (the process's CPU time),
+    ``migration_s`` (from :func:`time_migrations`' box), ``max_in_flight``, ``migrated_ops``,
+    ``migrated_bytes``."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    c0 = time.process_time()
+    engine.plan_ahead(lookahead)
+    result = engine.train_step(step, arch, x, y)
+    cpu = time.process_time() - c0
+    st = engine.stats
+    mine = {"wall_s": st.wall_s, "busy_s": st.busy_s, "cpu_s": cpu, "migration_s": migration_box[0],
+            "max_in_flight": st.max_in_flight, "migrated_ops": st.migrated_ops, "migrated_bytes": st.migrated_bytes}
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return result, ranks
+
+
 def progress(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 

@@ -52,7 +52,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._spawn import OUT, QUIET, contention, emit, measure_interference, measure_link, progress, spawn, time_migrations  # noqa: E402
+from bench._spawn import (  # noqa: E402
+    OUT, QUIET, contention, emit, measure_interference, measure_link, measured_step, progress, spawn, time_migrations,
+)
 
 SPACES = {
     # NASPipe-like mix: per-layer candidate costs spread moderately (the gain is a few per cent)
@@ -168,15 +170,8 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                 # the planner exists once the first step made it; step 0 is a warm-up anyway
                 pred = _predict(engine, engine.plan(arch), table, engine.schedule, latency, bandwidth) \
                     if engine.planner is not None else None
-                dist.barrier()
-                c0 = time.process_time()
-                engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
-                r = engine.train_step(step, arch, x, y)
-                cpu = time.process_time() - c0
-                stats = [None] * world
-                dist.all_gather_object(stats, (engine.stats.wall_s, engine.stats.busy_s, engine.stats.migrated_ops,
-                                               engine.stats.migrated_bytes, cpu, boxes[label][0]))
-                steps[label].append({"loss": r.loss, "ranks": stats, "pred": pred})
+                r, ranks = measured_step(engine, step, arch, x, y, archs[step + 1 : step + 3], boxes[label])
+                steps[label].append({"loss": r.loss, "ranks": ranks, "pred": pred})
             if reference is not None and step % spec["profile_check_every"] == 0:
                 t0, c0 = time.perf_counter(), time.process_time()
                 reference.train_step(step, arch, x, y)
@@ -198,11 +193,11 @@ def _cut_class(pairs: list[tuple[dict, dict]]) -> dict:
     def ratio(f) -> float:
         return sum(f(s) for _, s in pairs) / sum(f(d) for d, _ in pairs)
     return {"steps": len(pairs),
-            "ratio": ratio(lambda st: max(r[0] for r in st["ranks"])),
+            "ratio": ratio(lambda st: max(r["wall_s"] for r in st["ranks"])),
             "predicted": ratio(lambda st: st["pred"]["step"]),
-            "slowest_rank_compute": ratio(lambda st: max(r[1] for r in st["ranks"])),
+            "slowest_rank_compute": ratio(lambda st: max(r["busy_s"] for r in st["ranks"])),
             "predicted_slowest_rank_compute": ratio(lambda st: max(st["pred"]["busy"])),
-            "compute_summed_over_ranks": ratio(lambda st: sum(r[1] for r in st["ranks"]))}
+            "compute_summed_over_ranks": ratio(lambda st: sum(r["busy_s"] for r in st["ranks"]))}
 
 
 def _bootstrap_ratio(dynamic: list[float], static: list[float], n: int = 2000, seed: int = 0) -> list[float]:
@@ -225,9 +220,9 @@ def _med(xs):
 
 def summarize(steps: list[dict], batch: int) -> dict:
     """One planner's figures over its measured steps."""
-    wall = [max(r[0] for r in s["ranks"]) for s in steps]
-    mig = [max(r[5] for r in s["ranks"]) for s in steps]
-    cont = [contention(sum(r[1] for r in s["ranks"]), sum(r[4] for r in s["ranks"])) for s in steps]
+    wall = [max(r["wall_s"] for r in s["ranks"]) for s in steps]
+    mig = [max(r["migration_s"] for r in s["ranks"]) for s in steps]
+    cont = [contention(sum(r["busy_s"] for r in s["ranks"]), sum(r["cpu_s"] for r in s["ranks"])) for s in steps]
     pred = [s["pred"] for s in steps]
     err = [_rel(p["step"], w) for p, w in zip(pred, wall)]
     err_pipe = [_rel(p["pipeline"], w - m) for p, w, m in zip(pred, wall, mig)]
@@ -238,21 +233,21 @@ def summarize(steps: list[dict], batch: int) -> dict:
         "predicted_samples_per_s": batch / _med(p["step"] for p in pred),
         "step_ms_median": 1e3 * _med(wall),
         "predicted_step_ms_median": 1e3 * _med(p["step"] for p in pred),
-        "migrated_ops_per_step": statistics.fmean(s["ranks"][0][2] for s in steps),
-        "migrated_bytes_per_step": statistics.fmean(s["ranks"][0][3] for s in steps),
+        "migrated_ops_per_step": statistics.fmean(s["ranks"][0]["migrated_ops"] for s in steps),
+        "migrated_bytes_per_step": statistics.fmean(s["ranks"][0]["migrated_bytes"] for s in steps),
         "migration_ms_mean": 1e3 * statistics.fmean(mig),
         "predicted_migration_ms_mean": 1e3 * statistics.fmean(p["migration"] for p in pred),
         "predicted_migration_per_message_ms_mean": 1e3 * statistics.fmean(p["migration_per_message"] for p in pred),
         "migration_messages_per_step": statistics.fmean(p["messages"] for p in pred),
-        "predicted_moves_agree": all(p["moves"] == s["ranks"][0][2] for p, s in zip(pred, steps)),
+        "predicted_moves_agree": all(p["moves"] == s["ranks"][0]["migrated_ops"] for p, s in zip(pred, steps)),
         "sim_abs_rel_error_median": _med(abs(e) for e in err),
         "sim_signed_rel_error_median": _med(err),
         "sim_pipeline_only_abs_rel_error_median": _med(abs(e) for e in err_pipe),
         "sim_pipeline_only_signed_rel_error_median": _med(err_pipe),
         "measured_busy_imbalance_median": _med(
-            max(r[1] for r in s["ranks"]) / (sum(r[1] for r in s["ranks"]) / P) for s in steps),
+            max(r["busy_s"] for r in s["ranks"]) / (sum(r["busy_s"] for r in s["ranks"]) / P) for s in steps),
         "predicted_busy_imbalance_median": _med(max(p["busy"]) / (sum(p["busy"]) / P) for p in pred),
-        "measured_busy_sum_ms_median": 1e3 * _med(sum(r[1] for r in s["ranks"]) for s in steps),
+        "measured_busy_sum_ms_median": 1e3 * _med(sum(r["busy_s"] for r in s["ranks"]) for s in steps),
         "predicted_busy_sum_ms_median": 1e3 * _med(sum(p["busy"]) for p in pred),
         "contention_median": _med(cont), "quiet_steps": len(quiet),
         "quiet_samples_per_s": batch / _med(wall[i] for i in quiet) if quiet else None,
@@ -313,7 +308,7 @@ def main() -> None:
         row["predicted_dynamic_over_static"] = d["predicted_samples_per_s"] / s_["predicted_samples_per_s"]
         # the same subnet's step under both planners, stepped back to back: the pairing takes the
         # subnet-to-subnet spread and slow drifts of the machine out of the comparison
-        walls = {k: [max(r[0] for r in st["ranks"]) for st in setting["steps"][k][args.warmup:]]
+        walls = {k: [max(r["wall_s"] for r in st["ranks"]) for st in setting["steps"][k][args.warmup:]]
                  for k in setting["steps"]}
         paired = sorted(sw / dw for dw, sw in zip(walls["dynamic"], walls["static"]))
         row["paired_static_over_dynamic_step"] = {

@@ -34,7 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._spawn import QUIET, contention, emit, measure_link, progress, spawn, time_migrations  # noqa: E402
+from bench._spawn import (  # noqa: E402
+    QUIET, contention, emit, measure_link, measured_step, progress, spawn, time_migrations,
+)
 
 SPACE = dict(layers=8, width=256, candidates=["attn2", "ffn2", "conv3", "identity"])
 SAMPLE = (32, 32)
@@ -91,15 +93,8 @@ def worker(spec: dict, rank: int, world: int) -> dict:
         steps = []
         for step, arch in enumerate(archs):
             x, y = _data(spec["seed"], step)
-            dist.barrier()
-            c0 = time.process_time()
-            engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
-            r = engine.train_step(step, arch, x, y)
-            cpu = time.process_time() - c0
-            stats = [None] * world
-            dist.all_gather_object(stats, (engine.stats.wall_s, engine.stats.busy_s, engine.stats.max_in_flight,
-                                           engine.stats.migrated_ops, cpu, mig[0]))
-            row = {"loss": r.loss, "ranks": stats}
+            r, ranks = measured_step(engine, step, arch, x, y, archs[step + 1 : step + 3], mig)
+            row = {"loss": r.loss, "ranks": ranks}
             for th, ref in refs.items():
                 torch.set_num_threads(th)
                 t0 = time.perf_counter()
@@ -133,15 +128,15 @@ def main() -> None:
     w = args.warmup
     for res in piped["settings"]:
         M, steps = res["M"], res["steps"][w:]
-        walls = [max(r[0] for r in s["ranks"]) for s in steps]
-        bubbles = [1 - sum(r[1] for r in s["ranks"]) / (P * max(r[0] for r in s["ranks"])) for s in steps]
+        walls = [max(r["wall_s"] for r in s["ranks"]) for s in steps]
+        bubbles = [1 - sum(r["busy_s"] for r in s["ranks"]) / (P * max(r["wall_s"] for r in s["ranks"])) for s in steps]
         step_pipe = statistics.median(walls)
         ref1, ref2 = (statistics.median(s[f"ref{th}"][0] for s in steps) for th in (1, 2))
         paired1 = statistics.median(s["ref1"][0] / wall for s, wall in zip(steps, walls))
-        cont = [contention(sum(r[1] for r in s["ranks"]), sum(r[4] for r in s["ranks"])) for s in steps]
+        cont = [contention(sum(r["busy_s"] for r in s["ranks"]), sum(r["cpu_s"] for r in s["ranks"])) for s in steps]
         ref_cont = [contention(s["ref1"][0], s["ref1"][2]) for s in steps]
         quiet = [s for s, c, rc in zip(steps, cont, ref_cont) if c <= QUIET and rc <= QUIET]
-        quiet_pipe = [max(r[0] for r in s["ranks"]) for s in quiet]
+        quiet_pipe = [max(r["wall_s"] for r in s["ranks"]) for s in quiet]
         match1 = all(s["loss"] == s["ref1"][1] for s in res["steps"])
         match2 = all(s["loss"] == s["ref2"][1] for s in res["steps"])
         rows.append({
@@ -154,25 +149,25 @@ def main() -> None:
             "speedup_vs_reference_2threads": ref2 / step_pipe,
             "speedup_vs_reference_1thread_paired_median": paired1,
             "busy_sum_over_reference_1thread": statistics.median(
-                sum(r[1] for r in s["ranks"]) / s["ref1"][0] for s in steps),
+                sum(r["busy_s"] for r in s["ranks"]) / s["ref1"][0] for s in steps),
             "contention_median": statistics.median(cont), "reference_contention_median": statistics.median(ref_cont),
             "quiet_steps": len(quiet),
             "quiet_speedup_vs_reference_1thread": (statistics.median(s["ref1"][0] for s in quiet)
                                                    / statistics.median(quiet_pipe)) if quiet else None,
             "quiet_bubble_measured_median": statistics.median(
-                1 - sum(r[1] for r in s["ranks"]) / (P * max(r[0] for r in s["ranks"])) for s in quiet) if quiet else None,
+                1 - sum(r["busy_s"] for r in s["ranks"]) / (P * max(r["wall_s"] for r in s["ranks"])) for s in quiet) if quiet else None,
             "bubble_measured_median": statistics.median(bubbles),
             "bubble_measured_without_migration_median": statistics.median(
-                1 - sum(r[1] for r in s["ranks"]) / (P * (max(r[0] for r in s["ranks"]) - max(r[5] for r in s["ranks"])))
+                1 - sum(r["busy_s"] for r in s["ranks"]) / (P * (max(r["wall_s"] for r in s["ranks"]) - max(r["migration_s"] for r in s["ranks"])))
                 for s in steps),
-            "migration_ms_mean": 1e3 * statistics.fmean(max(r[5] for r in s["ranks"]) for s in steps),
+            "migration_ms_mean": 1e3 * statistics.fmean(max(r["migration_s"] for r in s["ranks"]) for s in steps),
             "bubble_analytic": (P - 1) / (M + P - 1),
             # the bubble a perfectly balanced split would still have is the analytic one; the rest
             # comes from stage imbalance and per-step work outside busy_s (plan, migrate, waits)
             "busy_imbalance_median": statistics.median(
-                max(r[1] for r in s["ranks"]) / (sum(r[1] for r in s["ranks"]) / P) for s in steps),
-            "max_in_flight": [r[2] for r in steps[-1]["ranks"]],
-            "migrated_ops_per_step": statistics.fmean(s["ranks"][0][3] for s in steps),
+                max(r["busy_s"] for r in s["ranks"]) / (sum(r["busy_s"] for r in s["ranks"]) / P) for s in steps),
+            "max_in_flight": [r["max_in_flight"] for r in steps[-1]["ranks"]],
+            "migrated_ops_per_step": statistics.fmean(s["ranks"][0]["migrated_ops"] for s in steps),
             "losses_match_reference_1thread": match1, "losses_match_reference_2threads": match2,
             "link": piped["link"], "cores": os.cpu_count(), "loadavg": os.getloadavg()[0],
             "baseline": "ReferenceEngine, 1 process, same space/steps/batch/M/archs, 1 and 2 threads, same run",
