@@ -40,11 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import emit, progress, spawn  # noqa: E402
 from pipeline.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
-from pipeline.planners import DynamicPlanner, OraclePlanner, StaticPlanner, migration_wait  # noqa: E402
+from pipeline.planners import DynamicPlanner, OraclePlanner, StaticPlanner, migration_wait, predicted_step  # noqa: E402
 from pipeline.placement import initial_owners, moves  # noqa: E402
 from pipeline.profile import measured_costs  # noqa: E402
 from pipeline.schedule import build as build_schedule  # noqa: E402
-from pipeline.simulate import simulate  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
 SOURCES = {
@@ -95,11 +94,7 @@ def run_setting(graph, table, archs, P, M, link, eps, extra_eps=(), objective="s
             todo = moves(act, part.bounds, owners)
             for mv in todo:
                 owners[mv.op_id] = mv.dst
-            b = part.bounds
-            fwd = [sum(op.fwd for op in prob.ops[b[s]:b[s + 1]]) for s in range(P)]
-            bwd = [sum(op.bwd for op in prob.ops[b[s]:b[s + 1]]) for s in range(P)]
-            send = [link["latency_s"] + prob.cut_bytes[b[c + 1]] / link["bandwidth"] for c in range(P - 1)]
-            step = simulate(schedule, fwd, bwd, send).step_time
+            step = predicted_step(prob, part, 0.0, schedule)  # the 1F1B schedule replayed, no migration
             # as the runtime migrates: ops the step before used move after it, the others during it
             size = {op.op_id: op.param_bytes + op.optim_bytes for op in prob.ops}
             waiting = [mv for mv in todo if before is None or not early or mv.op_id in before]
