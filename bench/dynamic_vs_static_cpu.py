@@ -24,7 +24,7 @@ Also measured in the same run: how much slower one rank computes while the other
 so a balanced pipeline runs its ops slower than the one-process profile says).
 
 Simulator check: before each step the engine's own (pure) plan is read with ``engine.plan``;
-the step is predicted with pipeline.simulate.simulate from the profile's per-op fwd/bwd times
+the step is predicted with pipeline.plan.simulate.simulate from the profile's per-op fwd/bwd times
 summed per stage and send = latency + cut bytes / bandwidth, plus the planner's migration model
 (moved bytes / bandwidth + latency per moved op). Measured step time: the slowest rank's wall
 time of the step. A bench-only probe times each engine's migration phase, so the error is also
@@ -86,8 +86,8 @@ def _data(space: dict, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _predict(engine, plan, table, schedule, latency: float, bandwidth: float) -> dict:
     """The simulated step of ``plan`` under the measured profile, before it runs."""
-    from pipeline.placement import moves
-    from pipeline.simulate import simulate
+    from pipeline.plan.placement import moves
+    from pipeline.plan.simulate import simulate
 
     fwd = [sum(table.ops[op.op_id].fwd for op in sl.ops) for sl in plan.slices]
     bwd = [sum(table.ops[op.op_id].bwd for op in sl.ops) for sl in plan.slices]

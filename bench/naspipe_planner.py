@@ -5,16 +5,16 @@ NASPipe's transformer space (48 choice layers x 24 candidates) under two cost so
 * ``measured``: the measured profiler (pipeline.profile) on this machine's CPU, one thread,
   at width 256, micro-batches of 4 sequences of 16 tokens (input features 32), SGD; link: the
   gloo loopback between two spawned processes, fitted as latency + bytes / bandwidth.
-* ``analytic``: pipeline.costs.analytic_costs at NASPipe's width 1024, micro-batches of 8
+* ``analytic``: pipeline.plan.costs.analytic_costs at NASPipe's width 1024, micro-batches of 8
   sequences of 128 tokens (input features 64), SGD, with GPU-like rates (1e14 FLOP/s,
   2e12 B/s, 10 us per op); link: NVLink-like 100 GB/s, 10 us.
 
 For every (source, P in {4, 8}, M in {8, 16}) and planner (dynamic with --eps, static from the
 supernet's mean costs, oracle) it walks the same stream of --subnets uniformly sampled subnets,
 tracking op owners across subnets exactly as the runtime does (initial_owners, moves), and per
-subnet: plans (timed), simulates the 1F1B step (pipeline.simulate: per-stage fwd/bwd sums,
+subnet: plans (timed), simulates the 1F1B step (pipeline.plan.simulate: per-stage fwd/bwd sums,
 send = latency + cut bytes / bandwidth) and adds the migration the step waits for, as the
-runtime migrates (pipeline.planners.migration_wait): an op the previous subnet used moves after
+runtime migrates (pipeline.plan.planners.migration_wait): an op the previous subnet used moves after
 that step (moved bytes / bandwidth + latency per op, on the critical path); the others move
 during the previous step and count only by what exceeds its duration. The oracle pays none by
 definition. ``dynamic_all_wait`` is the same planner told nothing about the previous subnet and
@@ -39,11 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import emit, progress, spawn  # noqa: E402
-from pipeline.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
-from pipeline.planners import DynamicPlanner, OraclePlanner, StaticPlanner, migration_wait, predicted_step  # noqa: E402
-from pipeline.placement import initial_owners, moves  # noqa: E402
+from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
+from pipeline.plan.planners import DynamicPlanner, OraclePlanner, StaticPlanner, migration_wait, predicted_step  # noqa: E402
+from pipeline.plan.placement import initial_owners, moves  # noqa: E402
 from pipeline.profile import measured_costs  # noqa: E402
-from pipeline.schedule import build as build_schedule  # noqa: E402
+from pipeline.plan.schedule import build as build_schedule  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
 SOURCES = {

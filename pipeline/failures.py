@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .schedule import Action, Schedule, format_grid
+from .plan.schedule import Action, Schedule, format_grid
 from .transport import PeerError
 
 __all__ = ["StageFailure", "FailureReporter", "parse_fault"]

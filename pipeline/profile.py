@@ -1,4 +1,4 @@
-"""The measured profiler: a :class:`~pipeline.costs.CostTable` from timing every op on the job's device.
+"""The measured profiler: a :class:`~pipeline.plan.costs.CostTable` from timing every op on the job's device.
 
 For each op of the supernet (every :class:`~supernet.OpSlot`, active or not) this runs the op
 the way :mod:`supernet.execute` does — inputs as fresh leaves that require grad (the data
@@ -11,8 +11,8 @@ gradient of the output — and records, at the micro-batch shape in use:
   more threads: ``perf_counter``; see :func:`clock_kind`),
   taken round robin over the distinct ops, with weight gradients accumulating between runs
   as they do over the micro-batches of a step;
-* ``param_bytes`` (as :func:`~pipeline.costs.analytic_costs` counts them) and
-  ``optim_bytes`` (:func:`~pipeline.costs.optim_bytes`);
+* ``param_bytes`` (as :func:`~pipeline.plan.costs.analytic_costs` counts them) and
+  ``optim_bytes`` (:func:`~pipeline.plan.costs.optim_bytes`);
 * ``act_bytes``: what the forward keeps for the backward. On CPU: the unique storages of the
   tensors autograd saves (``saved_tensors_hooks``) plus the output's, minus the op's weights
   and its inputs (those are counted once, as the producer's output or as the stage's received
@@ -55,8 +55,8 @@ import torch
 from supernet import INPUT, OpContext, SupernetError, SupernetGraph, build_op
 from supernet.ops import run_op
 
-from .costs import CostTable, analytic_costs, optim_bytes
-from .partition import OpCost
+from .plan.costs import CostTable, analytic_costs, optim_bytes
+from .plan.partition import OpCost
 
 __all__ = ["ProfileError", "measured_costs", "shared_profile", "cost_table", "profile_key", "default_cache_dir",
            "clock_kind", "table_to_json", "table_from_json"]
@@ -323,7 +323,7 @@ def measured_costs(graph: SupernetGraph, sample_shape: Sequence[int], microbatch
     from the cache when a profile with the same key exists (see the module docstring)."""
     device = torch.device(device)
     if device.type == "meta":
-        raise ProfileError("measured_costs: the meta device cannot be timed; use pipeline.costs.analytic_costs")
+        raise ProfileError("measured_costs: the meta device cannot be timed; use pipeline.plan.costs.analytic_costs")
     if not (isinstance(microbatch, int) and microbatch >= 1) or repeats < 1 or warmup < 0:
         raise ProfileError(f"measured_costs: expected microbatch >= 1, repeats >= 1, warmup >= 0, found "
                            f"{microbatch!r}, {repeats!r}, {warmup!r}")
@@ -345,7 +345,7 @@ def measured_costs(graph: SupernetGraph, sample_shape: Sequence[int], microbatch
 def cost_table(source: str, graph: SupernetGraph, sample_shape: Sequence[int], microbatch: int,
                optimizer: str = "sgd", device: torch.device | str = "cpu", **kw: Any) -> CostTable:
     """``source="measured"``: :func:`measured_costs`; ``"analytic"``: the FLOP model
-    :func:`~pipeline.costs.analytic_costs` (the fallback: no device time, any size, any machine)."""
+    :func:`~pipeline.plan.costs.analytic_costs` (the fallback: no device time, any size, any machine)."""
     if source == "measured":
         return measured_costs(graph, sample_shape, microbatch, optimizer, device, **kw)
     if source == "analytic":

@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classification_loss, cut, loss_and_grad
 
-from .costs import CostTable, analytic_costs, mean_problem, subnet_problem
+from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
-from .partition import Partition
-from .planners import StaticPlanner, make_planner
-from .placement import Move, initial_owners, moves, stages_of
-from .schedule import Schedule, build as build_schedule, forward_only, validate
+from .plan.partition import Partition
+from .plan.planners import StaticPlanner, make_planner
+from .plan.placement import Move, initial_owners, moves, stages_of
+from .plan.schedule import Schedule, build as build_schedule, forward_only, validate
 from .settings import DistEnv, PipelineSettings
 from .tensors import OptimConfig, TensorManager
 from .failures import FailureReporter, StageFailure, parse_fault

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.naspipe_planner import run_setting  # noqa: E402
-from pipeline.costs import analytic_costs  # noqa: E402
+from pipeline.plan.costs import analytic_costs  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
 

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.partition import (
+from pipeline.plan.partition import (
     REL_SLACK, OpCost, Partition, PartitionError, PartitionProblem, evaluate, random_problem, solve, stage_cost,
 )
-from pipeline.planners import equal_count
-from pipeline.schedule import in_flight
+from pipeline.plan.planners import equal_count
+from pipeline.plan.schedule import in_flight
 
 
 def all_bounds(N: int, P: int):

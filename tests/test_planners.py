@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.partition import OpCost, PartitionError, PartitionProblem, evaluate, random_problem, solve
-from pipeline.planners import (
+from pipeline.plan.partition import OpCost, PartitionError, PartitionProblem, evaluate, random_problem, solve
+from pipeline.plan.planners import (
     DynamicPlanner, EqualCountPlanner, OraclePlanner, StaticPlanner, equal_count, make_planner, static_bounds,
     time_solve,
 )
@@ -73,7 +73,7 @@ def _move_seconds(problem, part, previous):
 def test_step_objective_is_never_worse_than_the_eps_tie_break(replayed: bool) -> None:
     """Scored by its own measure (the 1F1B/GPipe formula, or the schedule replayed), the choice
     beats every eps of the grid (and so staying put where that is within the grid)."""
-    from pipeline.planners import STEP_GRID, _schedule, predicted_step, solve_step
+    from pipeline.plan.planners import STEP_GRID, _schedule, predicted_step, solve_step
 
     rng = np.random.default_rng(11 if replayed else 7)
     checked = 0
@@ -97,7 +97,7 @@ def test_step_objective_is_never_worse_than_the_eps_tie_break(replayed: bool) ->
 
 
 def test_step_objective_without_owners_is_balanced_at_least_as_well_as_the_grid_allows() -> None:
-    from pipeline.planners import STEP_GRID, solve_step
+    from pipeline.plan.planners import STEP_GRID, solve_step
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -116,8 +116,8 @@ def test_dynamic_planner_objective_is_validated() -> None:
 
 
 def test_makespan_equals_the_simulators_step_time() -> None:
-    from pipeline.schedule import build
-    from pipeline.simulate import makespan, simulate
+    from pipeline.plan.schedule import build
+    from pipeline.plan.simulate import makespan, simulate
 
     rng = np.random.default_rng(5)
     for _ in range(100):
@@ -131,7 +131,7 @@ def test_makespan_equals_the_simulators_step_time() -> None:
 
 
 def test_migration_wait_charges_busy_moves_in_full_and_early_ones_beyond_the_window() -> None:
-    from pipeline.planners import migration_wait
+    from pipeline.plan.planners import migration_wait
 
     # 300 bytes over 3 ops at 100 B/s and 0.5 s per op: 4.5 s if all wait
     assert migration_wait(300, 3, 300, 3, 100.0, 0.5) == pytest.approx(4.5)
@@ -144,7 +144,7 @@ def test_migration_wait_charges_busy_moves_in_full_and_early_ones_beyond_the_win
 
 
 def _wait_of(problem, part, previous, busy, schedule):
-    from pipeline.planners import migration_wait, predicted_step
+    from pipeline.plan.planners import migration_wait, predicted_step
 
     assign = part.assignment([op.op_id for op in problem.ops])
     moving = [op for op in problem.ops if op.op_id in previous and previous[op.op_id] != assign[op.op_id]]
@@ -156,7 +156,7 @@ def _wait_of(problem, part, previous, busy, schedule):
 
 
 def test_step_objective_with_every_op_busy_is_the_step_objective_without_busy() -> None:
-    from pipeline.planners import _schedule, solve_step
+    from pipeline.plan.planners import _schedule, solve_step
 
     rng = np.random.default_rng(21)
     for _ in range(80):
@@ -175,7 +175,7 @@ def test_step_objective_with_busy_ops_beats_staying_put_and_is_within_eps() -> N
     """Brute force over every split: the choice fits memory, stays within (1 + eps) of the optimum
     and, by the replayed schedule plus the migration the step waits for, is never worse than any
     split that moves nothing."""
-    from pipeline.planners import _schedule
+    from pipeline.plan.planners import _schedule
 
     rng = np.random.default_rng(5)
     checked = 0
@@ -204,7 +204,7 @@ def test_step_objective_with_busy_ops_beats_staying_put_and_is_within_eps() -> N
 def test_moves_that_can_run_during_the_step_before_are_worth_a_better_balance() -> None:
     """Owners 3:1 on two stages. Moving one op costs more than the balance gains when the step
     waits for it, and nothing when it moves during the step before (it fits in that step)."""
-    from pipeline.planners import _schedule, predicted_step
+    from pipeline.plan.planners import _schedule, predicted_step
 
     def problem(state_bytes: int) -> PartitionProblem:
         ops = tuple(OpCost(f"op{k}", 1e-3, 2e-3, state_bytes, 0, 0) for k in range(4))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pipeline import profile
-from pipeline.costs import CostTable, analytic_costs, subnet_problem
-from pipeline.partition import solve
+from pipeline.plan.costs import CostTable, analytic_costs, subnet_problem
+from pipeline.plan.partition import solve
 from pipeline.profile import ProfileError, cost_table, measured_costs, profile_key, shared_profile
 from supernet.spaces import build_space
 

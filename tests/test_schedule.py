@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-import pipeline.schedule as schedule_module
-from pipeline.schedule import (
+import pipeline.plan.schedule as schedule_module
+from pipeline.plan.schedule import (
     Action, Schedule, ScheduleError, build, format_grid, forward_only, gpipe, in_flight, max_in_flight,
     one_f_one_b, validate,
 )

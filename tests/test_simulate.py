@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeline.schedule import Action, Schedule, ScheduleError, forward_only, gpipe, max_in_flight, one_f_one_b
-from pipeline.simulate import SimulationError, simulate
+from pipeline.plan.schedule import Action, Schedule, ScheduleError, forward_only, gpipe, max_in_flight, one_f_one_b
+from pipeline.plan.simulate import SimulationError, simulate
 
 SIZES = list(itertools.product(range(1, 7), range(1, 11)))
 

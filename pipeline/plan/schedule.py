@@ -23,7 +23,7 @@ then alternates one forward and one backward, then drains the remaining backward
     stage 1 |  1F0   1F1   1B0   1F2   1B1   1F3   1B2   1B3
     stage 2 |  2F0   2B0   2F1   2B1   2F2   2B2   2F3   2B3
 
-Columns are positions in each stage's list, not clock ticks; :mod:`pipeline.simulate` gives
+Columns are positions in each stage's list, not clock ticks; :mod:`pipeline.plan.simulate` gives
 the timed view. Everything here is pure: values in, values out.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Planners: which partition each step takes, given the subnet and where its ops sit now.
 
-* :class:`DynamicPlanner` re-solves every subnet exactly (:func:`pipeline.partition.solve`).
+* :class:`DynamicPlanner` re-solves every subnet exactly (:func:`pipeline.plan.partition.solve`).
   Objective ``minmax``: the fewest moved bytes within ``(1 + eps)`` of the best slowest stage.
   Objective ``step`` (the default in the runtime): :func:`solve_step`, the near-optimal split
   whose replayed schedule plus the migration the step waits for (:func:`migration_wait`) is
@@ -41,7 +41,7 @@ def predicted_step(problem: PartitionProblem, part: Partition, move_seconds: flo
                    schedule: Schedule | None = None) -> float:
     """One step's predicted time plus the migration that precedes it. With ``schedule``: the
     schedule replayed with the partition's per-stage forward/backward sums and per-cut sends
-    (:func:`pipeline.simulate.makespan`). Without: every stage's work once (fill and drain)
+    (:func:`pipeline.plan.simulate.makespan`). Without: every stage's work once (fill and drain)
     plus M - 1 more rounds of the slowest stage."""
     if schedule is None:
         return sum(part.stage_times) + (problem.num_microbatches - 1) * part.max_time + move_seconds

@@ -10,7 +10,7 @@ costs, per micro-batch (see :func:`stage_cost`, the one place this formula lives
     memory(s) = sum(param + optim bytes of ops i..j-1)
               + in_flight(s) * (sum(act_bytes of ops i..j-1) + cut_bytes[i])
 
-``in_flight`` is :func:`pipeline.schedule.in_flight` (``min(M, P - s)`` for 1F1B, ``M`` for
+``in_flight`` is :func:`pipeline.plan.schedule.in_flight` (``min(M, P - s)`` for 1F1B, ``M`` for
 GPipe); ``cut_bytes[i]`` is the stage's received input, kept for every micro-batch in flight.
 Comm is charged by stage position, so ``cut_bytes[0]`` only costs time when stage 0 is empty
 and has to relay the input.
@@ -20,7 +20,7 @@ slowest-stage time under the memory budgets; a second DP then picks, among all p
 within ``(1 + eps)`` of it, the one that moves the fewest parameter+optimizer bytes away from
 the stages that own them now, then the fastest, then the lexicographically smallest bounds.
 Which partition each step takes (the planners, the step objective, the baselines) is
-:mod:`pipeline.planners`; they all price a split with :func:`evaluate`.
+:mod:`pipeline.plan.planners`; they all price a split with :func:`evaluate`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Op cost tables and the partition problem of one subnet.
 
 A :class:`CostTable` gives, for every op of a supernet at one micro-batch shape, its
-:class:`~pipeline.partition.OpCost` (forward/backward seconds, parameter, optimizer-state and
+:class:`~pipeline.plan.partition.OpCost` (forward/backward seconds, parameter, optimizer-state and
 kept-activation bytes) and, for every node, the bytes of its output (what crosses a cut).
 ``analytic_costs`` derives one without running anything real: each op runs on the *meta*
 device under a FLOP counter, so a NASPipe-sized space at width 1024 costs nothing to model.
