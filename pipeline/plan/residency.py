@@ -1,0 +1,302 @@
+"""Residency plans: which ops a stage's device holds at each step, fetched and evicted from a known future.
+
+A stage's future is known: the sampler's lookahead and the plans made ahead say which ops it runs
+at each coming step (``uses[t]``: the op ids step ``t`` needs, all of them resident while it runs).
+Every op has a home in host memory; the device holds a bounded working set (``budget`` bytes of
+op state; the runtime reserves activations and grads outside it). :func:`plan_residency` turns the
+future into a :class:`ResidencyPlan` — data, step by step: what is fetched (on demand at the start
+of the step, or ahead, during it), what is evicted (and written back when dirty), hits, misses and
+the peak resident bytes — which the runtime executes and :mod:`pipeline.plan.simulate` times.
+
+Policies (``policy=``):
+
+* ``belady``: evict the resident op whose next use is furthest away (never one the current step
+  needs, and never, when prefetching, one needed no later than the op being fetched). Prefetch
+  the ops of the next ``prefetch_depth`` steps in order of use while such a victim exists, at
+  most ``max_copies`` fetches ahead per step. With unit sizes and no prefetch this is Belady's
+  MIN, which is optimal (tests check it against exhaustive search); with mixed sizes it is the
+  usual heuristic (optimal caching with sizes is NP-hard).
+* ``lru``: the same prefetch, evicting the least recently used op (the future is used only to
+  know what to fetch, not what to keep).
+* ``on_demand``: no prefetch; a step's missing ops are fetched synchronously at its start, LRU
+  eviction.
+
+Per step the plan reports, for every op the step needs, whether it was a *hit* (resident from an
+earlier use or left there), *prefetched* (fetched ahead for this use) or a *miss* (fetched on
+demand, the compute waits for it). ``reuse=False`` models an op whose device copy is stale after
+each use (the optimizer runs on the host): it is dropped when its step ends, so every use fetches.
+:func:`next_use` answers the runtime's online question: when is this op needed next.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["POLICIES", "ResidencyError", "StepResidency", "ResidencyPlan", "NextUse", "next_use", "plan_residency"]
+
+POLICIES = ("belady", "lru", "on_demand")
+_MIB = float(2**20)
+NEVER = float("inf")
+
+
+class ResidencyError(ValueError):
+    """A residency problem is malformed or its budget cannot hold one step's ops."""
+
+    def __init__(self, message: str, short_by: int | None = None, step: int | None = None) -> None:
+        super().__init__(message)
+        self.short_by = short_by  # bytes missing on the tightest step
+        self.step = step
+
+
+@dataclass(frozen=True)
+class StepResidency:
+    """What happens on the device around step ``step``.
+
+    ``demand`` ops are fetched at the step's start (the step waits for them); ``prefetch`` ops
+    are fetched during the step for later steps. ``evict`` lists every op dropped during the
+    step, in order (``demand_evict`` those dropped to make room for the demand fetches, before
+    the step; ``writeback``: the evicted ops whose state changed since they were fetched, copied
+    back to the host first). ``dropped``: with ``reuse=False``, the ops invalidated when the step
+    ends. ``peak_bytes``: the most resident bytes at any point of the step.
+    """
+
+    step: int
+    hits: tuple[str, ...]
+    prefetched: tuple[str, ...]
+    misses: tuple[str, ...]
+    demand_evict: tuple[str, ...]
+    prefetch: tuple[str, ...]
+    evict: tuple[str, ...]
+    writeback: tuple[str, ...]
+    dropped: tuple[str, ...]
+    peak_bytes: int
+    resident_bytes: int  # at the end of the step (after prefetching)
+
+    @property
+    def fetches(self) -> tuple[str, ...]:
+        """Every op copied host -> device during this step, demand fetches first."""
+        return self.misses + self.prefetch
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """A policy's plan over a whole trace, with its totals."""
+
+    policy: str
+    budget: int
+    steps: tuple[StepResidency, ...]
+    uses: int
+    hits: int
+    prefetched: int
+    misses: int
+    fetched_bytes: int
+    writeback_bytes: int
+    peak_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Uses served by a copy already on the device from before (no transfer for this use)."""
+        return self.hits / self.uses if self.uses else 1.0
+
+    @property
+    def fetches(self) -> int:
+        return self.prefetched + self.misses
+
+
+@dataclass(frozen=True)
+class NextUse:
+    """Per op, the sorted steps that use it; :meth:`after` is the next use at or after a step."""
+
+    steps_of: Mapping[str, tuple[int, ...]]
+
+    def after(self, op_id: str, step: int) -> float:
+        """The first step ``>= step`` that uses ``op_id`` (``inf`` when none does)."""
+        steps = self.steps_of.get(op_id, ())
+        k = bisect.bisect_left(steps, step)
+        return steps[k] if k < len(steps) else NEVER
+
+
+def next_use(uses: Sequence[Iterable[str]]) -> NextUse:
+    """The next-use index of a trace: ``next_use(uses).after(op, t)``."""
+    steps_of: dict[str, list[int]] = {}
+    for t, ops in enumerate(uses):
+        for op in dict.fromkeys(ops):
+            steps_of.setdefault(op, []).append(t)
+    return NextUse({op: tuple(s) for op, s in steps_of.items()})
+
+
+def _check(uses: Sequence[Iterable[str]], sizes: Mapping[str, int], budget: int, policy: str,
+           prefetch_depth: int, max_copies: int | None) -> list[tuple[str, ...]]:
+    if policy not in POLICIES:
+        raise ResidencyError(f"policy: expected one of {list(POLICIES)}, found {policy!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ResidencyError(f"budget: expected a non-negative int (bytes), found {budget!r}")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ResidencyError(f"prefetch_depth: expected a non-negative int (steps), found {prefetch_depth!r}")
+    if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1):
+        raise ResidencyError(f"max_copies: expected a positive int or None, found {max_copies!r}")
+    trace = [tuple(dict.fromkeys(ops)) for ops in uses]
+    for t, ops in enumerate(trace):
+        for op in ops:
+            size = sizes.get(op)
+            if size is None:
+                raise ResidencyError(f"uses[{t}]: op {op!r} has no entry in sizes; expected every used op sized")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ResidencyError(f"sizes[{op!r}]: expected a non-negative int (bytes), found {size!r}")
+    need = [sum(sizes[op] for op in ops) for ops in trace]
+    if need and max(need) > budget:
+        t = max(range(len(need)), key=need.__getitem__)
+        short = need[t] - budget
+        raise ResidencyError(
+            f"budget: step {t} needs {len(trace[t])} ops resident at once, {need[t]} bytes "
+            f"({need[t] / _MIB:.2f} MiB), against a budget of {budget} bytes ({budget / _MIB:.2f} MiB): "
+            f"short by {short} bytes ({short / _MIB:.2f} MiB). Hint: raise the device budget, use more "
+            "stages (fewer ops per stage), or move the optimizer state to the host", short_by=short, step=t)
+    return trace
+
+
+def plan_residency(
+    uses: Sequence[Iterable[str]],
+    sizes: Mapping[str, int],
+    budget: int,
+    policy: str = "belady",
+    prefetch_depth: int = 1,
+    max_copies: int | None = None,
+    reuse: bool = True,
+    dirty_on_use: bool = True,
+    resident: Iterable[str] = (),
+) -> ResidencyPlan:
+    """Plan one stage's residency over the trace ``uses`` (per step, the op ids it needs).
+
+    ``sizes``: bytes each op occupies on the device; ``budget``: bytes of op state the device may
+    hold (a step's ops must fit: else :class:`ResidencyError` with ``short_by``). ``prefetch_depth``:
+    how many steps ahead to fetch (``on_demand`` ignores it); ``max_copies``: most fetches ahead per
+    step (None: as many as fit). ``dirty_on_use``: a used op's state changed (updated on the device),
+    so evicting it writes it back; ``reuse=False``: a used op's device copy is stale when its step
+    ends (the update ran on the host) and is dropped then. ``resident``: ops already on the device
+    at the start (clean; they must fit in the budget).
+    """
+    trace = _check(uses, sizes, budget, policy, prefetch_depth, max_copies)
+    future = next_use(trace)
+    depth = 0 if policy == "on_demand" else prefetch_depth
+    res: dict[str, None] = {}          # resident ops, least recently used first (dict keeps order)
+    dirty: set[str] = set()
+    ahead: set[str] = set()            # prefetched and not used yet
+    used_bytes = 0
+    for op in dict.fromkeys(resident):
+        if op not in sizes:
+            raise ResidencyError(f"resident: op {op!r} has no entry in sizes")
+        res[op] = None
+        used_bytes += sizes[op]
+    if used_bytes > budget:
+        raise ResidencyError(f"resident: the ops given as resident take {used_bytes} bytes, over the budget "
+                             f"of {budget} bytes by {used_bytes - budget}", short_by=used_bytes - budget)
+
+    def victim(t: int, pinned: set[str], fetch_use: float) -> str | None:
+        """The op to evict for a fetch needed at ``fetch_use`` during step ``t`` (None: no candidate)."""
+        if policy == "belady":
+            best, best_use = None, fetch_use
+            for op in res:  # LRU order breaks ties towards the least recently used
+                if op in pinned:
+                    continue
+                u = future.after(op, t)
+                if u > best_use:
+                    best, best_use = op, u
+            return best
+        for op in res:  # lru / on_demand: the least recently used unpinned op, not one fetched ahead
+            if op not in pinned and op not in ahead:
+                return op
+        if fetch_use == NEVER:  # a demand fetch may take the space of an op fetched ahead
+            return next((op for op in res if op not in pinned), None)
+        return None
+
+    steps: list[StepResidency] = []
+    totals = dict(hits=0, prefetched=0, misses=0, fetched=0, written=0, peak=used_bytes)
+    for t, need in enumerate(trace):
+        pinned = set(need)
+        hits = tuple(op for op in need if op in res and op not in ahead)
+        pre = tuple(op for op in need if op in ahead)
+        miss = tuple(op for op in need if op not in res)
+        evict: list[str] = []
+        writeback: list[str] = []
+
+        def drop(op: str) -> None:
+            nonlocal used_bytes
+            del res[op]
+            ahead.discard(op)
+            used_bytes -= sizes[op]
+            evict.append(op)
+            if op in dirty:
+                dirty.discard(op)
+                writeback.append(op)
+                totals["written"] += sizes[op]
+
+        # demand fetches: the step waits for them; any unpinned op may go (the step cannot run otherwise)
+        for op in miss:
+            while used_bytes + sizes[op] > budget:
+                v = victim(t, pinned, NEVER) if policy != "belady" else victim(t, pinned, -1.0)
+                if v is None:  # unreachable: _check proved the step's ops fit
+                    raise ResidencyError(f"step {t}: no op to evict for {op!r}")
+                drop(v)
+            res[op] = None
+            used_bytes += sizes[op]
+            totals["fetched"] += sizes[op]
+        demand_evict = tuple(evict)
+        for op in need:  # used now: most recently used, and dirty once updated on the device
+            res.pop(op, None)
+            res[op] = None
+            ahead.discard(op)
+            if dirty_on_use and reuse:
+                dirty.add(op)
+        peak = used_bytes
+
+        # prefetch for the next steps, in order of use, while a victim used later than the op exists
+        prefetch: list[str] = []
+        for u in range(t + 1, min(t + 1 + depth, len(trace))):
+            for op in trace[u]:
+                if op in res or (max_copies is not None and len(prefetch) >= max_copies):
+                    continue
+                keep = pinned | set(prefetch) | {op}
+                if policy != "belady":  # the prefetcher knows which step it fetches for
+                    keep |= set(trace[u])
+                victims, free = [], budget - used_bytes
+                while free < sizes[op]:  # choose every victim first: evict only if the fetch fits
+                    v = victim(t, keep | set(victims), float(u))
+                    if v is None:
+                        break
+                    victims.append(v)
+                    free += sizes[v]
+                if free < sizes[op]:
+                    break  # no room without evicting something needed sooner: stop looking ahead
+                if policy == "belady" and u > t + 1 and victims and min(
+                        future.after(v, t + 1) for v in victims) < max(future.after(p, t + 1) for p in need):
+                    # Beyond the next step, wait: once this step ends its ops become candidates, and
+                    # one of them is used later than this victim, so fetching now costs a fetch more.
+                    break
+                for v in victims:
+                    drop(v)
+                res[op] = None
+                ahead.add(op)
+                used_bytes += sizes[op]
+                totals["fetched"] += sizes[op]
+                prefetch.append(op)
+                peak = max(peak, used_bytes)
+            else:
+                continue
+            break
+        dropped: tuple[str, ...] = ()
+        if not reuse:  # the host updates them after the step: the device copies are stale
+            dropped = need
+            for op in need:
+                res.pop(op, None)
+                used_bytes -= sizes[op]
+        totals["hits"] += len(hits)
+        totals["prefetched"] += len(pre)
+        totals["misses"] += len(miss)
+        totals["peak"] = max(totals["peak"], peak)
+        steps.append(StepResidency(t, hits, pre, miss, demand_evict, tuple(prefetch), tuple(evict),
+                                   tuple(writeback), dropped, peak, used_bytes))
+    return ResidencyPlan(policy, budget, tuple(steps), sum(len(n) for n in trace), totals["hits"],
+                         totals["prefetched"], totals["misses"], totals["fetched"], totals["written"],
+                         totals["peak"])
