@@ -68,7 +68,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     graph = build_space(rc.space, data.input_shape, data.num_classes)
     space = graph.space()
     seed_archs = [space.validate(a, f"search.seed_archs[{i}]") for i, a in enumerate(rc.search.seed_archs)]
-    sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"))
+    sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)
     ckpt_path = out / CHECKPOINT_NAME
     ckpt = load_checkpoint(ckpt_path) if rc.resume else None
     if ckpt is not None:
@@ -235,7 +235,8 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
         bar.update(1)
         return evals[arch].accuracy
 
-    rng = random.Random(derive_seed(rc.seed, "search"))
+    # search.seed varies the search alone: the trained supernet (checkpoint) stays the same
+    rng = random.Random(derive_seed(rc.seed if s.seed is None else s.seed, "search"))
     constraint = s.constraints.check(cost)
     common: dict[str, Callable | Any] = {"top_k": s.top_k, "constraint": constraint, "seed_archs": seed_archs}
     try:

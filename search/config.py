@@ -72,6 +72,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class SamplerConfig:
     name: str
+    arch: dict[str, Any] | None = None  # the fixed sampler's arch
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class SearchConfig:
     bn_calib_batches: int
     calib_batch_size: int
     seed_archs: tuple[dict[str, Any], ...] = ()
+    seed: int | None = None  # the search's own random stream; None: derived from the run's seed
 
     @property
     def budget(self) -> int:
@@ -272,7 +274,7 @@ def _search(root: _Group) -> SearchConfig:
         constraints=constraints, val_batch_size=g.int("val_batch_size", 256, minimum=1),
         bn_calib_batches=g.int("bn_calib_batches", 4, minimum=0),
         calib_batch_size=g.int("calib_batch_size", 64, minimum=1),
-        seed_archs=tuple(dict(a) for a in seed_archs),
+        seed_archs=tuple(dict(a) for a in seed_archs), seed=g.int("seed", None, minimum=0, optional=True),
     )
     g.done()
     return cfg
@@ -304,7 +306,10 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     resume = root.bool("resume", True)
     space, data = _target(root, "space"), _target(root, "data")
     g = root.group("sampler")
-    sampler = SamplerConfig(g.choice("name", sorted(SAMPLERS)))
+    arch = g._get("arch", None)
+    if arch is not None and not isinstance(arch, Mapping):
+        raise g.fail("arch", "a mapping label -> value or null", arch)
+    sampler = SamplerConfig(g.choice("name", sorted(SAMPLERS)), None if arch is None else dict(arch))
     g.done()
     run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
                     space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),

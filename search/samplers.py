@@ -11,6 +11,9 @@ stream from the seed and replays that many, which is always right and cheap.
   values of any label); within a round every value of a label with ``n`` values is used
   exactly once. A label with fewer values draws from back-to-back shuffled passes over its
   values, so its counts never differ by more than one and are equal after every full pass.
+* ``fixed`` — one given arch every step: the supernet trains that subnet alone (its other
+  ops get no gradient), which is stand-alone training through the same engine
+  (``bench/ranking.py`` uses it for the ground truth).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Any
 
 from supernet import Arch, SearchSpace
 
-__all__ = ["Sampler", "UniformSampler", "FairSampler", "SamplerError", "SAMPLERS", "make_sampler"]
+__all__ = ["Sampler", "UniformSampler", "FairSampler", "FixedSampler", "SamplerError", "SAMPLERS", "make_sampler"]
 
 
 class SamplerError(ValueError):
@@ -123,6 +126,23 @@ class FairSampler(Sampler):
                 yield Arch({label: col[i] for label, col in columns.items()})
 
 
+class FixedSampler(Sampler):
+    """The same arch every step (stand-alone training of that subnet)."""
+
+    kind = "fixed"
+
+    def __init__(self, space: SearchSpace, seed: int, arch: Arch) -> None:
+        self.arch = arch
+        super().__init__(space, seed)
+
+    def _stream(self, rng: random.Random) -> Iterator[Arch]:
+        while True:
+            yield self.arch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "arch": self.arch.to_json()}
+
+
 def _passes(values: tuple[Hashable, ...], rng: random.Random) -> Iterator[Hashable]:
     """Back-to-back shuffled passes over ``values``: each value once per pass."""
     while True:
@@ -137,12 +157,20 @@ def space_digest(space: SearchSpace) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-SAMPLERS: dict[str, type[Sampler]] = {"uniform": UniformSampler, "fair": FairSampler}
+SAMPLERS: dict[str, type[Sampler]] = {"uniform": UniformSampler, "fair": FairSampler, "fixed": FixedSampler}
 
 
-def make_sampler(name: str, space: SearchSpace, seed: int) -> Sampler:
+def make_sampler(name: str, space: SearchSpace, seed: int, arch: Mapping[str, Any] | None = None) -> Sampler:
+    """The sampler ``name``; ``fixed`` takes the arch it trains (validated against ``space``)."""
     try:
         cls = SAMPLERS[name]
     except KeyError:
         raise SamplerError(f"sampler.name: expected one of {sorted(SAMPLERS)}, found {name!r}") from None
+    if name == "fixed":
+        if arch is None:
+            raise SamplerError("sampler.arch: the fixed sampler needs the arch to train, e.g. "
+                               "sampler.arch={layer00: k3e3, ...}; found null")
+        return FixedSampler(space, seed, space.validate(arch, "sampler.arch"))
+    if arch is not None:
+        raise SamplerError(f"sampler.arch: only the fixed sampler takes an arch; sampler {name!r} found {dict(arch)!r}")
     return cls(space, seed)

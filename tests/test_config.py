@@ -82,7 +82,7 @@ def test_custom_space_through_a_yaml_on_the_search_path(tmp_path: Path) -> None:
     (["train.optimizer.name=adam"], "train.optimizer.name: expected one of ['sgd', 'adamw'], found 'adam'"),
     (["train.steps=0"], "train.steps: expected an integer >= 1, found 0"),
     (["train.steps=ten"], "train.steps: expected an integer >= 1, found 'ten'"),
-    (["sampler.name=greedy"], "sampler.name: expected one of ['fair', 'uniform'], found 'greedy'"),
+    (["sampler.name=greedy"], "sampler.name: expected one of ['fair', 'fixed', 'uniform'], found 'greedy'"),
     (["train.optimizer.lr=-1"], "train.optimizer.lr: expected a positive number, found -1"),
     (["search.algorithm=annealing"], "search.algorithm: expected one of ['evolution', 'random'], found 'annealing'"),
     (["search.population=1"], "search.population: expected an integer >= 2, found 1"),

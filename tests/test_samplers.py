@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from search.samplers import FairSampler, SamplerError, UniformSampler, make_sampler
-from supernet import Choice, SearchSpace
+from supernet import Arch, Choice, SearchSpace, SupernetError
 
 SPACE = SearchSpace([
     Choice("a", ("x", "y", "z", "w")),  # the widest label: rounds of 4
@@ -97,5 +97,19 @@ def test_state_from_another_sampler_is_refused() -> None:
 
 
 def test_unknown_sampler_names_the_field() -> None:
-    with pytest.raises(SamplerError, match=r"sampler.name: expected one of \['fair', 'uniform'\], found 'greedy'"):
+    with pytest.raises(SamplerError, match=r"sampler.name: expected one of \['fair', 'fixed', 'uniform'\], found 'greedy'"):
         make_sampler("greedy", SPACE, 0)
+
+
+def test_fixed_sampler_repeats_its_arch_and_needs_one() -> None:
+    from search.samplers import FixedSampler
+
+    space = SearchSpace([Choice("a", (1, 2)), Choice("b", ("x", "y", "z"))])
+    s = make_sampler("fixed", space, 0, {"a": 2, "b": "y"})
+    assert isinstance(s, FixedSampler) and s.peek(2) == [s.next(), s.next()] == [Arch({"a": 2, "b": "y"})] * 2
+    with pytest.raises(SamplerError, match="sampler.arch: the fixed sampler needs the arch"):
+        make_sampler("fixed", space, 0)
+    with pytest.raises(SupernetError, match="sampler.arch.b: expected one of"):
+        make_sampler("fixed", space, 0, {"a": 2, "b": "w"})
+    with pytest.raises(SamplerError, match="only the fixed sampler takes an arch"):
+        make_sampler("uniform", space, 0, {"a": 2, "b": "y"})
