@@ -4,6 +4,10 @@ One process owns every op. Each step trains one subnet: the batch is split into 
 micro-batches, each runs forward and backward through the whole subnet (one
 :class:`supernet.execute.Slice`), gradients accumulate in micro-batch order, then every active
 op takes one optimizer step. Ops outside the subnet get no gradient and are not updated.
+
+With a device budget (``memory``) the tensor manager keeps ops in host memory: each step
+announces its ops and the lookahead's (``plan_ahead``) so the next ones are fetched while this
+one runs, pins its own (``ensure``) and releases them after the optimizer step.
 """
 from __future__ import annotations
 
@@ -12,9 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from supernet import Arch, OpContext, SliceRun, SupernetGraph, classification_loss, cut, loss_and_grad
+from supernet import Arch, OpContext, SliceRun, SupernetGraph, classification_loss, loss_and_grad
+from supernet.execute import whole_slice
 
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
+from .memory_settings import MemorySettings
 from .tensors import OptimConfig, TensorManager
 
 __all__ = ["ReferenceEngine"]
@@ -25,31 +31,55 @@ class ReferenceEngine:
     world_size = 1
 
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int,
-                 lr: LrSchedule, device: torch.device | str = "cpu") -> None:
+                 lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None) -> None:
         self.graph = graph
         self.seed = seed
         self.microbatches = microbatches
         self.lr = lr
         self.device = torch.device(device)
-        self.tensors = TensorManager(graph, seed, optim, self.device, own=[s.op_id for s in graph.slots()])
+        self.tensors = TensorManager(graph, seed, optim, self.device, memory=memory)
+        if self.tensors.virtual:  # fail before building anything if the largest subnet cannot fit
+            self._check_budget()
+        for slot in graph.slots():
+            self.tensors.create(slot.op_id)
+        self._ahead: list[frozenset[str]] = []
 
     @property
     def is_main(self) -> bool:
         return True
 
     def _slice(self, arch: Arch):
-        active = self.graph.active_ops(arch)
-        return cut(active, [0, len(active)], self.graph.output)[0]
+        return whole_slice(self.graph, arch)
 
     def _ctx(self, step: int, mb: int, training: bool):
         return lambda op_id: OpContext(self.seed, step, mb, op_id, training)
 
+    def _check_budget(self) -> None:
+        """The largest subnet (the biggest candidate of every slot, and the fixed ops) must fit."""
+        by_node: dict[str, int] = {}
+        for slot in self.graph.slots():
+            by_node[slot.node] = max(by_node.get(slot.node, 0), self.tensors.footprint([slot.op_id]))
+        need, budget = sum(by_node.values()), self.tensors.memory.device_budget_bytes
+        if need > budget:
+            from .memory import MemoryBudgetError
+
+            raise MemoryBudgetError(
+                f"memory.device_budget_bytes: the largest subnet of {self.graph.name!r} needs {need} bytes of "
+                f"weights, buffers and optimizer state resident, but the budget is {budget} bytes: short by "
+                f"{need - budget} bytes; raise memory.device_budget_bytes to at least {need}", need, budget)
+
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
-        """Nothing to plan: one process runs every op."""
+        """Remember the next subnets' ops: the next ``train_step`` hands them to the tensor
+        manager with its own, which fetches them while that step runs."""
+        self._ahead = [frozenset(op.op_id for op in self.graph.active_ops(a)) for a in archs]
 
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()
         sl = self._slice(arch)
+        ops = [op.op_id for op in sl.ops]
+        self.tensors.prefetch([frozenset(ops), *self._ahead])
+        self._ahead = []
+        self.tensors.ensure(ops)
         batch = x.shape[0]
         losses = []
         for mb, (xm, ym) in enumerate(split_batch(x.to(self.device), y.to(self.device), self.microbatches)):
@@ -58,13 +88,22 @@ class ReferenceEngine:
             loss, grad = loss_and_grad(out, ym, batch)
             run.backward([grad])
             losses.append(loss.item())
-        self.tensors.step([op.op_id for op in sl.ops], self.lr(step))
-        return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0)
+        self.tensors.step(ops, self.lr(step))
+        mem = self.tensors.release_step()
+        return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
 
     @torch.no_grad()
     def evaluate(self, arch: Arch, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                  calib_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> EvalResult:
         sl = self._slice(arch)
+        self.tensors.ensure([op.op_id for op in sl.ops])
+        try:
+            return self._evaluate(sl, batches, calib_batches)
+        finally:
+            self.tensors.release_step(advance=False)
+
+    def _evaluate(self, sl, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                  calib_batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> EvalResult:
         modules = [self.tensors.module(op.op_id) for op in sl.ops]
         calib = list(calib_batches) if graph_has_batchnorm(self.graph) else []
         with recalibrated_bn(modules if calib else []):
@@ -89,4 +128,4 @@ class ReferenceEngine:
             self.tensors.adopt(op_id, state)
 
     def close(self) -> None:
-        pass
+        self.tensors.close()

@@ -52,6 +52,7 @@ class SupernetGraph:
         self._g = nx.DiGraph()
         self._g.add_node(INPUT, order=0, op=None, candidates=None, inputs=())
         self._order = 1
+        self._active: dict[Arch, tuple[ActiveOp, ...]] = {}  # valid archs seen; cleared by _add
 
     # -- construction ----------------------------------------------------------------------
     def add_fixed(self, name: str, op: OpSpec, inputs: Sequence[str]) -> str:
@@ -83,6 +84,7 @@ class SupernetGraph:
                     f"node {name!r}: input {src!r} does not exist yet; add producers before consumers"
                 )
         self._g.add_node(name, order=self._order, op=op, candidates=candidates, inputs=inputs)
+        self._active.clear()
         self._order += 1
         for port, src in enumerate(inputs):
             # A node may take the same producer twice; the edge keeps the first port.
@@ -135,7 +137,11 @@ class SupernetGraph:
         return tuple(out)
 
     def active_ops(self, arch: Arch) -> tuple[ActiveOp, ...]:
-        """The ops that run for ``arch``, in deterministic topological order."""
+        """The ops that run for ``arch``, in deterministic topological order (cached: every
+        step of every engine asks, and the topological sort is the costly part)."""
+        hit = self._active.get(arch) if isinstance(arch, Arch) else None
+        if hit is not None:
+            return hit
         arch = self.space().validate(arch)
         ops: list[ActiveOp] = []
         for n in self.nodes():
@@ -146,7 +152,10 @@ class SupernetGraph:
                 cand = arch[n]
                 spec = dict(data["candidates"])[cand]
                 ops.append(ActiveOp(f"{n}/{cand}", n, data["inputs"], spec))
-        return tuple(ops)
+        if len(self._active) >= 4096:
+            self._active.clear()
+        self._active[arch] = out = tuple(ops)
+        return out
 
     def __repr__(self) -> str:
         n_choice = sum(self.is_choice(n) for n in self.nodes())
