@@ -241,3 +241,93 @@ def test_bad_inputs_name_the_field() -> None:
         solve(problem, eps=-0.1)
     with pytest.raises(PartitionError, match=r"previous\['a'\]"):
         solve(problem, {"a": "stage0"})  # type: ignore[dict-item]
+
+
+# ------------------------------------------------------------------ the tensor manager's memory model
+
+
+def _managed(problem: PartitionProblem, memory, budget=None) -> PartitionProblem:
+    return PartitionProblem(problem.ops, problem.cut_bytes, problem.num_stages, problem.num_microbatches,
+                            problem.schedule, problem.bandwidth, problem.latency,
+                            budget if budget is not None else problem.memory_budget, memory)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_managed_memory_formula(seed: int) -> None:
+    from pipeline.plan.activations import min_activation_memory
+    from pipeline.plan.partition import ManagedMemory
+
+    rng = np.random.default_rng(seed)
+    base = small_problem(rng, int(rng.integers(1, 7)), int(rng.integers(1, 4)), integral=False)
+    P, F = base.num_stages, in_flight(base.schedule, base.num_stages, base.num_microbatches)
+    bounds = (0, *sorted(int(b) for b in rng.integers(0, base.num_ops + 1, size=P - 1)), base.num_ops)
+    reserve = float(rng.integers(0, 10))
+    default = evaluate(base, bounds)
+    for optimizer in ("device", "host"):
+        for acts in ("keep", "auto"):
+            mm = ManagedMemory(optimizer, acts, reserve)
+            part = evaluate(_managed(base, mm), bounds)
+            assert part.stage_times == default.stage_times and part.bounds == default.bounds
+            for s in range(P):
+                ops = base.ops[bounds[s]:bounds[s + 1]]
+                state = sum(2 * op.param_bytes + (op.optim_bytes if optimizer == "device" else 0) for op in ops)
+                keep = F[s] * (sum(op.act_bytes for op in ops) + base.cut_bytes[bounds[s]])
+                if acts == "keep":
+                    assert part.stage_memory[s] == int(state + keep + reserve)
+                else:
+                    inputs = [0] + [base.cut_bytes[k] for k in range(bounds[s] + 1, bounds[s + 1])]
+                    least = min_activation_memory(ops, inputs[:len(ops)], F[s], base.cut_bytes[bounds[s]])
+                    # an achievable plan's memory: at least the least one, at most keeping everything
+                    assert state + least + reserve <= part.stage_memory[s] + 1
+                    assert part.stage_memory[s] <= int(state + keep + reserve) + max((op.act_bytes for op in ops), default=0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_managed_split_has_activation_plans_that_fit(seed: int) -> None:
+    from pipeline.plan.activations import activation_memory, partition_activation_plans
+    from pipeline.plan.partition import ManagedMemory
+
+    rng = np.random.default_rng(100 + seed)
+    loose = random_problem(rng, int(rng.integers(4, 12)), int(rng.integers(2, 5)), int(rng.integers(2, 9)))
+    mm = ManagedMemory("host", "auto", reserve=1 << 20)
+    keep_all = solve(_managed(loose, ManagedMemory("host", "keep", 1 << 20)))
+    tight = max(keep_all.stage_memory) * 0.7
+    problem = _managed(loose, mm, (tight,) * loose.num_stages)
+    try:
+        part = solve(problem)
+    except PartitionError as e:
+        assert e.short_by > 0
+        return
+    plans = partition_activation_plans(problem, part, host_bandwidth=1e10, overlap=1e-3)
+    for s, plan in enumerate(plans):
+        ops = problem.ops[part.bounds[s]:part.bounds[s + 1]]
+        state = sum(2 * op.param_bytes for op in ops)
+        assert state + plan.memory + (1 << 20) <= tight
+        assert plan.choices == () or activation_memory(
+            ops, [0] + [problem.cut_bytes[k] for k in range(part.bounds[s] + 1, part.bounds[s + 1])],
+            plan.choices, in_flight(problem.schedule, problem.num_stages, problem.num_microbatches)[s],
+            problem.cut_bytes[part.bounds[s]]) == plan.memory
+
+
+def test_managed_memory_default_unchanged_and_shortfall() -> None:
+    from pipeline.plan.partition import ManagedMemory
+
+    rng = np.random.default_rng(7)
+    problem = random_problem(rng, 10, 3, 4)
+    assert solve(problem) == solve(_managed(problem, None))
+    # the optimizer state on the host and activations planned: less memory than resident state
+    dev = solve(_managed(problem, ManagedMemory("device", "keep")))
+    host = solve(_managed(problem, ManagedMemory("host", "auto")))
+    assert max(host.stage_memory) < max(dev.stage_memory)
+    need = max(host.stage_memory)
+    budget = 0.5 * min(solve(_managed(problem, ManagedMemory("host", "auto"),
+                                      (math.inf,) * 3)).stage_memory)
+    with pytest.raises(PartitionError, match=r"short by .* MiB \(\d+ bytes\)") as e:
+        solve(_managed(problem, ManagedMemory("device", "keep"), (budget,) * 3))
+    assert e.value.short_by > 0
+    assert "optimizer='host'" in str(e.value) and "activations='auto'" in str(e.value)
+    del need
+    with pytest.raises(PartitionError, match="ManagedMemory.optimizer: expected 'device' or 'host'"):
+        ManagedMemory("gpu")
+    with pytest.raises(PartitionError, match=r"ManagedMemory.reserve: expected 3 values"):
+        _managed(problem, ManagedMemory(reserve=(1.0, 2.0)))

@@ -33,11 +33,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .partition import OpCost, PartitionProblem
+from .partition import OpCost, Partition, PartitionError, PartitionProblem
 from .schedule import in_flight
 
 __all__ = ["CHOICES", "ActivationError", "ActivationPlan", "plan_activations", "activation_memory",
-           "min_activation_memory", "stage_activation_plan", "op_memory"]
+           "min_activation_memory", "stage_activation_plan", "op_memory", "partition_activation_plans"]
 
 CHOICES = ("keep", "swap", "recompute")
 _MIB = float(2**20)
@@ -227,3 +227,25 @@ def stage_activation_plan(problem: PartitionProblem, bounds: Sequence[int], stag
     inputs = [0] + [problem.cut_bytes[k] for k in range(i + 1, j)]
     return plan_activations(ops, inputs[:len(ops)], F, problem.num_microbatches, budget, host_bandwidth, overlap,
                             problem.cut_bytes[i], allowed)
+
+
+def partition_activation_plans(problem: PartitionProblem, part: Partition, host_bandwidth: float = math.inf,
+                               overlap: Sequence[float] | float = 0.0) -> tuple[ActivationPlan, ...]:
+    """Every stage's activation plan for a split made under a :class:`~pipeline.plan.partition.
+    ManagedMemory` model: each stage's budget less its resident op state and reserve is what its
+    activations may take. ``overlap``: idle host-link seconds per step, per stage or one for all."""
+    mm = problem.memory
+    if mm is None or problem.memory_budget is None:
+        raise PartitionError("partition_activation_plans: expected a problem with memory (a ManagedMemory) and "
+                             f"memory_budget, found memory={mm!r}, memory_budget={problem.memory_budget!r}")
+    P = problem.num_stages
+    overlaps = (float(overlap),) * P if isinstance(overlap, (int, float)) else tuple(overlap)
+    reserve = mm.reserves(P)
+    b = part.bounds
+    plans = []
+    for s in range(P):
+        state = sum(mm.state_bytes(op) for op in problem.ops[b[s]:b[s + 1]])
+        allowed = CHOICES if mm.activations == "auto" else ("keep",)
+        plans.append(stage_activation_plan(problem, b, s, problem.memory_budget[s] - state - reserve[s],
+                                           host_bandwidth, overlaps[s], allowed))
+    return tuple(plans)

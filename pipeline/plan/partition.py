@@ -12,6 +12,14 @@ costs, per micro-batch (see :func:`stage_cost`, the one place this formula lives
 
 ``in_flight`` is :func:`pipeline.plan.schedule.in_flight` (``min(M, P - s)`` for 1F1B, ``M`` for
 GPipe); ``cut_bytes[i]`` is the stage's received input, kept for every micro-batch in flight.
+
+With the virtualized tensor manager (``PartitionProblem.memory``, a :class:`ManagedMemory`) the
+device holds only what the manager keeps resident, so memory(s) counts the stage's active ops'
+weights + grads (+ optimizer state when it lives on the device), the activations (all kept, or
+with ``activations="auto"`` the least the keep/swap/recompute plan of
+:mod:`pipeline.plan.activations` reaches with every op at its smallest choice) and a ``reserve``
+for the ops being prefetched; inactive ops live in host memory and count nowhere. Without it
+(the default) the formula above holds unchanged.
 Comm is charged by stage position, so ``cut_bytes[0]`` only costs time when stage 0 is empty
 and has to relay the input.
 
@@ -33,7 +41,7 @@ import numpy as np
 from .schedule import SCHEDULES, in_flight
 
 __all__ = [
-    "OpCost", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
+    "OpCost", "ManagedMemory", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
     "random_problem", "REL_SLACK",
 ]
 
@@ -87,11 +95,54 @@ class OpCost:
 
 
 @dataclass(frozen=True)
+class ManagedMemory:
+    """The tensor manager's device memory model for the partitioner (see the module doc).
+
+    ``optimizer``: ``"device"`` (the op's optimizer state travels with it and is updated on the
+    device: weights + grads + ``optim_bytes`` resident per active op) or ``"host"`` (the state stays
+    in host memory and the update runs there: weights + grads). ``activations``: ``"keep"`` (every
+    saved activation stays, as without a manager) or ``"auto"`` (counted at the least any
+    activation plan reaches: the plan itself, with its added time, is made per stage after the
+    split by :func:`pipeline.plan.activations.partition_activation_plans`). ``reserve``: bytes per
+    stage kept free for the ops being fetched ahead (one number for every stage, or one per stage).
+    """
+
+    optimizer: str = "device"
+    activations: str = "keep"
+    reserve: float | tuple[float, ...] = 0.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("device", "host"):
+            raise PartitionError(f"ManagedMemory.optimizer: expected 'device' or 'host', found {self.optimizer!r}")
+        if self.activations not in ("keep", "auto"):
+            raise PartitionError(f"ManagedMemory.activations: expected 'keep' or 'auto', found {self.activations!r}")
+        reserve = self.reserve if isinstance(self.reserve, tuple) else (self.reserve,)
+        for v in reserve:
+            if not (isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(v) and v >= 0):
+                raise PartitionError(f"ManagedMemory.reserve: expected non-negative bytes, found {self.reserve!r}")
+
+    def reserves(self, num_stages: int) -> tuple[float, ...]:
+        if isinstance(self.reserve, tuple):
+            if len(self.reserve) != num_stages:
+                raise PartitionError(f"ManagedMemory.reserve: expected {num_stages} values (one per stage) or one "
+                                     f"number, found {len(self.reserve)}")
+            return tuple(float(v) for v in self.reserve)
+        return (float(self.reserve),) * num_stages
+
+    def state_bytes(self, op: OpCost) -> int:
+        """Device bytes of one active op's state: weights, grads (same size) and, on the device, its
+        optimizer state."""
+        return 2 * op.param_bytes + (op.optim_bytes if self.optimizer == "device" else 0)
+
+
+@dataclass(frozen=True)
 class PartitionProblem:
     """A subnet's active ops (topological order) to split over ``num_stages`` stages.
 
     ``cut_bytes[i]`` is the per-micro-batch size of everything live across a boundary just
     before op ``i`` (``N + 1`` values). ``memory_budget`` is per stage, or None for unlimited.
+    ``memory``: the tensor manager's memory model (None: every op's state and every activation
+    counts, as without a manager).
     """
 
     ops: tuple[OpCost, ...]
@@ -102,6 +153,7 @@ class PartitionProblem:
     bandwidth: float = math.inf
     latency: float = 0.0
     memory_budget: tuple[float, ...] | None = None
+    memory: ManagedMemory | None = None
 
     def __post_init__(self) -> None:
         ops = tuple(self.ops)
@@ -139,6 +191,10 @@ class PartitionProblem:
                 if not b >= 0:
                     raise PartitionError(f"PartitionProblem.memory_budget[{k}]: expected a non-negative "
                                          f"number of bytes (math.inf for unlimited), found {b}")
+        if self.memory is not None:
+            if not isinstance(self.memory, ManagedMemory):
+                raise PartitionError(f"PartitionProblem.memory: expected a ManagedMemory or None, found {self.memory!r}")
+            self.memory.reserves(self.num_stages)
 
     @property
     def num_ops(self) -> int:
@@ -184,6 +240,10 @@ class _Tables:
     budget: np.ndarray     # (P,) float, inf when unlimited
     busy_moved: np.ndarray  # (P, N+1) like ``moved``, counting only the ``busy`` ops
     busy_moved_ops: np.ndarray  # (P, N+1) like ``moved_ops``, counting only the ``busy`` ops
+    resident: np.ndarray | None = None  # (N+1,) prefix of the managed state bytes (None: no manager)
+    act_floor: np.ndarray | None = None  # (P, N+1) prefix of each op's least activation bytes ("auto")
+    act_max: np.ndarray | None = None    # (N+1, N+1) [i, j]: the largest act_bytes of ops i..j-1 ("auto")
+    reserve: np.ndarray | None = None    # (P,) bytes kept for prefetching
 
 
 def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
@@ -206,6 +266,25 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
     def prefix(a: np.ndarray) -> np.ndarray:
         return np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(a, axis=1)), axis=1)
 
+    flight = np.array(in_flight(problem.schedule, P, problem.num_microbatches), dtype=np.int64)
+    managed: dict = {}
+    mm = problem.memory
+    if mm is not None:
+        managed["resident"] = np.concatenate(([0], np.cumsum([mm.state_bytes(op) for op in ops]))).astype(np.int64)
+        managed["reserve"] = np.array(mm.reserves(P), dtype=float)
+        if mm.activations == "auto":
+            # pipeline.plan.activations' model with every op at its smallest choice: keep F*a,
+            # swap min(F, 2)*a, recompute F*x (x: its input, cut_bytes[k]; the first op's is the
+            # stage input, counted apart), plus the largest recomputed a (allowing every op)
+            a = np.array([op.act_bytes for op in ops], dtype=np.int64)
+            F = flight[:, None]
+            least = np.minimum(np.minimum(F * a[None, :], np.minimum(F, 2) * a[None, :]), F * cut[None, :-1])
+            managed["act_floor"] = prefix(least)
+            amax = np.zeros((len(ops) + 1, len(ops) + 1), dtype=np.int64)
+            for i in range(len(ops)):
+                amax[i, i + 1:] = np.maximum.accumulate(a[i:])
+            managed["act_max"] = amax
+
     return _Tables(
         P=P,
         compute=np.concatenate((zero, np.cumsum([op.fwd + op.bwd for op in ops]))),
@@ -213,12 +292,13 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
         act=np.concatenate(([0], np.cumsum([op.act_bytes for op in ops]))).astype(np.int64),
         cut=cut,
         comm=2.0 * (problem.latency + cut / problem.bandwidth),
-        in_flight=np.array(in_flight(problem.schedule, P, problem.num_microbatches), dtype=np.int64),
+        in_flight=flight,
         moved=prefix(moves),
         moved_ops=prefix(moving),
         budget=np.array(budget, dtype=float),
         busy_moved=prefix(moves * in_use),
         busy_moved_ops=prefix(moving * in_use),
+        **managed,
     )
 
 
@@ -226,7 +306,15 @@ def _stage_cost(t: _Tables, s, i, j):
     """Time, memory and moved bytes of stage(s) ``s`` holding ops ``[i, j)``; numpy-broadcasting."""
     s = np.asarray(s)
     time_ = (t.compute[j] - t.compute[i]) + np.where(s > 0, t.comm[i], 0.0) + np.where(s < t.P - 1, t.comm[j], 0.0)
-    memory = (t.static[j] - t.static[i]) + t.in_flight[s] * ((t.act[j] - t.act[i]) + t.cut[i])
+    if t.resident is None:
+        memory = (t.static[j] - t.static[i]) + t.in_flight[s] * ((t.act[j] - t.act[i]) + t.cut[i])
+    elif t.act_floor is None:
+        memory = ((t.resident[j] - t.resident[i]) + t.in_flight[s] * ((t.act[j] - t.act[i]) + t.cut[i])
+                  + t.reserve[s])
+    else:  # the first op's recompute keeps the stage input, already counted: ops i+1..j-1 only
+        i1 = np.minimum(np.asarray(i) + 1, j)
+        memory = ((t.resident[j] - t.resident[i]) + t.in_flight[s] * t.cut[i]
+                  + (t.act_floor[s, j] - t.act_floor[s, i1]) + t.act_max[i, j] + t.reserve[s])
     moved = t.moved[s, j] - t.moved[s, i]
     return time_, memory, moved
 
@@ -307,7 +395,18 @@ def _infeasible(problem: PartitionProblem, t: _Tables, memory: list[np.ndarray],
         f"{budget / _MIB:.2f} MiB: short by {short / _MIB:.2f} MiB ({short:.0f} bytes). Hint: raise "
         f"memory_budget[{s}], use more stages, or hold fewer micro-batches in flight "
         f"(schedule '1f1b' or a smaller num_microbatches; this problem uses {problem.schedule!r}, "
-        f"M={problem.num_microbatches}).", short_by=short, stage=s)
+        f"M={problem.num_microbatches}){_manager_hint(problem.memory)}.", short_by=short, stage=s)
+
+
+def _manager_hint(mm: ManagedMemory | None) -> str:
+    if mm is None:
+        return ""
+    hints = []
+    if mm.optimizer == "device":
+        hints.append("keep the optimizer state on the host (ManagedMemory.optimizer='host')")
+    if mm.activations == "keep":
+        hints.append("let activations be swapped or recomputed (ManagedMemory.activations='auto')")
+    return "".join(f", or {h}" for h in hints)
 
 
 def _fewest_moves(T: list, MV: list, threshold: float, N: int, P: int) -> tuple[int, ...]:
