@@ -109,3 +109,91 @@ def test_rejects_bad_costs_and_schedules() -> None:
     bad = Schedule("bad", 2, 1, ((Action(0, "B", 0), Action(0, "F", 0)), (Action(1, "F", 0), Action(1, "B", 0))))
     with pytest.raises(ScheduleError, match=r"\[0B0\]"):
         simulate(bad, [1.0] * 2, [1.0] * 2, [0.0])
+
+
+# ------------------------------------------------------------------------------ host channels
+
+
+def _links(P: int, h2d: float = 1.0, d2h: float = 1.0, host: float | None = None, **free) -> "HostLinks":
+    from pipeline.plan.simulate import HostLinks
+    return HostLinks((h2d,) * P, (d2h,) * P, None if host is None else (host,) * P, **free)
+
+
+@pytest.mark.parametrize("P,M", [(1, 1), (2, 3), (3, 4), (4, 8)])
+def test_no_copies_changes_nothing(P: int, M: int) -> None:
+    rng = np.random.default_rng(P * 10 + M)
+    fwd, bwd, send = rng.uniform(0.5, 2, P), rng.uniform(0.5, 3, P), rng.uniform(0, 1, P - 1)
+    for build in (gpipe, one_f_one_b):
+        plain = simulate(build(P, M), fwd, bwd, send)
+        with_links = simulate(build(P, M), fwd, bwd, send, copies=[], links=_links(P))
+        assert with_links.timeline == plain.timeline and with_links.step_time == plain.step_time
+        assert with_links.stall == (0.0,) * P and plain.copies is None and plain.stall is None
+
+
+def test_late_fetch_is_a_stall_that_shifts_the_step() -> None:
+    from pipeline.plan.simulate import Copy
+    P, M, f, b = 2, 4, 1.0, 2.0
+    sched = one_f_one_b(P, M)
+    base = simulate(sched, [f] * P, [b] * P, [0.0])
+    # stage 1's op arrives 3 s into the step: stage 1 could start its first F at 1 s
+    late = simulate(sched, [f] * P, [b] * P, [0.0], links=_links(P, h2d=2.0),
+                    copies=[Copy(1, "h2d", 6.0, ready=0.0, before=Action(1, "F", 0))])
+    assert late.copies[0].start == 0.0 and late.copies[0].end == 3.0
+    assert late.stall == (0.0, 2.0)
+    assert late.step_time > base.step_time
+    # issued early enough during the step before, the same fetch hides completely
+    early = simulate(sched, [f] * P, [b] * P, [0.0], links=_links(P, h2d=2.0),
+                     copies=[Copy(1, "h2d", 6.0, ready=-5.0, before=Action(1, "F", 0))])
+    assert early.stall == (0.0, 0.0) and early.step_time == base.step_time
+
+
+def test_channels_are_fifo_and_directions_independent() -> None:
+    from pipeline.plan.simulate import Copy
+    sched = gpipe(1, 1)
+    r = simulate(sched, [1.0], [1.0], [], links=_links(1, h2d=1.0, d2h=1.0), copies=[
+        Copy(0, "h2d", 2.0, ready=0.0, label="a"), Copy(0, "h2d", 1.0, ready=0.0, before=Action(0, "F", 0)),
+        Copy(0, "d2h", 4.0, ready=0.0)])
+    assert [(c.start, c.end) for c in r.copies] == [(0.0, 2.0), (2.0, 3.0), (0.0, 4.0)]
+    assert r.stall == (3.0,) and r.step_time == 5.0
+    assert r.free_at["h2d"] == (3.0,) and r.free_at["d2h"] == (4.0,)
+    # a channel still busy from the step before delays this step's copies
+    r = simulate(sched, [1.0], [1.0], [], links=_links(1, h2d_free_at=(1.5,)),
+                 copies=[Copy(0, "h2d", 1.0, before=Action(0, "F", 0))])
+    assert r.copies[0].start == 1.5 and r.stall == (2.5,)
+
+
+def test_writeback_then_fetch_and_the_host_update() -> None:
+    from pipeline.plan.simulate import Copy
+    P, M = 2, 2
+    sched = one_f_one_b(P, M)
+    last_b = Action(0, "B", M - 1)
+    copies = [
+        Copy(0, "d2h", 4.0, after=last_b, label="grads"),           # 0: grads down after the last backward
+        Copy(0, "host", 8.0, waits_for=(0,), label="update"),       # 1: the host's update after them
+        Copy(0, "h2d", 2.0, waits_for=(1,), label="weights"),       # 2: the new weights after the update
+        Copy(0, "d2h", 2.0, ready=0.0, label="evict"),               # 3: a write-back...
+        Copy(0, "h2d", 2.0, waits_for=(3,), label="into its space"),  # 4: ...then a fetch into its space
+    ]
+    r = simulate(sched, [1.0] * P, [1.0] * P, [0.0], links=_links(P, 2.0, 2.0, host=4.0), copies=copies)
+    end_b = next(sp.end for sp in r.timeline[0] if sp.action == last_b)
+    c = r.copies
+    assert c[0].start == end_b and c[0].end == end_b + 2.0
+    assert c[1].start == c[0].end and c[1].end == c[1].start + 2.0
+    assert c[2].start == c[1].end and c[2].end > r.step_time  # finishes after the step: carried over
+    # the d2h channel is FIFO in list order: the write-back waits behind the grads
+    assert c[3].start == c[0].end and c[4].start == c[3].end == c[3].start + 1.0
+    assert r.stall == (0.0, 0.0) and r.free_at["host"][0] == c[1].end
+
+
+def test_copy_errors() -> None:
+    from pipeline.plan.simulate import Copy
+    sched = gpipe(1, 1)
+    with pytest.raises(SimulationError, match="wait for each other"):
+        simulate(sched, [1.0], [1.0], [], links=_links(1),
+                 copies=[Copy(0, "h2d", 1.0, after=Action(0, "F", 0), before=Action(0, "F", 0))])
+    with pytest.raises(SimulationError, match="channel: expected one of"):
+        simulate(sched, [1.0], [1.0], [], links=_links(1), copies=[Copy(0, "pcie", 1.0)])
+    with pytest.raises(SimulationError, match="HostLinks.host is None"):
+        simulate(sched, [1.0], [1.0], [], links=_links(1), copies=[Copy(0, "host", 1.0)])
+    with pytest.raises(SimulationError, match="waits_for: expected indices of earlier copies"):
+        simulate(sched, [1.0], [1.0], [], links=_links(1), copies=[Copy(0, "h2d", 1.0, waits_for=(0,))])
