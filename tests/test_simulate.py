@@ -180,8 +180,10 @@ def test_writeback_then_fetch_and_the_host_update() -> None:
     assert c[0].start == end_b and c[0].end == end_b + 2.0
     assert c[1].start == c[0].end and c[1].end == c[1].start + 2.0
     assert c[2].start == c[1].end and c[2].end > r.step_time  # finishes after the step: carried over
-    # the d2h channel is FIFO in list order: the write-back waits behind the grads
-    assert c[3].start == c[0].end and c[4].start == c[3].end == c[3].start + 1.0
+    # each channel is FIFO in list order: the write-back waits behind the grads on d2h, and the
+    # fetch into its space behind the new weights on h2d
+    assert c[3].start == c[0].end and c[3].end == c[3].start + 1.0
+    assert c[4].start == max(c[3].end, c[2].end)
     assert r.stall == (0.0, 0.0) and r.free_at["host"][0] == c[1].end
 
 
