@@ -10,26 +10,33 @@ import torch
 from supernet import SupernetGraph
 
 from .engine import Engine, EvalResult, LrSchedule, StepResult
+from .memory import MemoryBudgetError, MemoryStats
+from .memory_settings import MemorySettings
 from .reference import ReferenceEngine
 from .settings import DistEnv, PipelineSettings, dist_env
 from .tensors import OptimConfig, TensorManager, params_digest
 
 __all__ = [
-    "DistEnv", "Engine", "EvalResult", "LrSchedule", "OptimConfig", "PipelineSettings", "ReferenceEngine",
+    "DistEnv", "Engine", "EvalResult", "LrSchedule", "MemoryBudgetError", "MemorySettings", "MemoryStats",
+    "OptimConfig", "PipelineSettings", "ReferenceEngine",
     "StepResult", "TensorManager", "create_engine", "dist_env", "params_digest",
 ]
 
 
 def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                   settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None,
-                  failure_dir: str | None = None) -> Engine:
+                  failure_dir: str | None = None, memory: MemorySettings | None = None) -> Engine:
     """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
     RANK/WORLD_SIZE is set), else one pipeline stage per rank. ``failure_dir`` (the run
-    directory's ``failures/``) is where a failing rank leaves the note its peers quote."""
+    directory's ``failures/``) is where a failing rank leaves the note its peers quote.
+    ``memory``: the tensor manager's device budget (the reference engine only, so far)."""
     env = env if env is not None else dist_env()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if env is None:
-        return ReferenceEngine(graph, seed, optim, microbatches, lr, dev)
+        return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory)
+    if memory is not None and memory.virtual:
+        raise ValueError("memory.device_budget_bytes: the pipelined engine does not use the virtualized tensor "
+                         "manager yet; set it to null under torchrun, or run in one process")
     from .runtime import PipelineEngine
 
     return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir)

@@ -13,13 +13,16 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from supernet import Arch, SupernetGraph, build_op
+
+if TYPE_CHECKING:
+    from .memory import MemoryStats
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
@@ -38,6 +41,7 @@ class StepResult:
     seconds: float
     migrated_ops: int = 0
     migrated_bytes: int = 0
+    memory: MemoryStats | None = None  # the tensor manager's counters for this step (this rank)
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,28 @@ per-op optimizer (``foreach=False``, so the update of an op is the same arithmet
 else a process owns). ``export`` turns an op into a flat ``name -> tensor`` state
 (``param/...``, ``buffer/...``, ``optim/<i>/<key>``) and gives it up; ``adopt`` takes one in.
 Migration, checkpoints and the digest all use that flat form, so an op's weights and its
-optimizer state always travel together. Everything is resident here; the virtualized tensor
-manager will keep inactive ops elsewhere behind the same interface.
+optimizer state always travel together.
+
+Without a device budget (``MemorySettings.device_budget_bytes`` null, the default) every op is
+resident on the device. With one, the ops live in host memory and a bounded device arena
+(:mod:`pipeline.memory`): the engine announces the coming steps' ops (``prefetch``), pins a
+step's ops before using them (``ensure``; ``module`` pins on first use too) and unpins them
+after the optimizer step (``release_step``). Both modes compute the same bits.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from supernet import OpSlot, SupernetGraph, build_op
+
+from .memory import MemoryAudit, MemoryStats, VirtualStore, op_layout, optim_state_keys
+from .memory_arena import alignment_for
+from .memory_settings import MemorySettings
 
 __all__ = ["OptimConfig", "TensorManager", "OpState", "params_digest"]
 
@@ -51,19 +60,32 @@ class OptimConfig:
 
 
 class TensorManager:
-    """The ops one process owns, their modules and their optimizers."""
+    """The ops one process owns, their modules and their optimizers.
+
+    ``memory`` (default: no budget) decides where they live: all resident on ``device``, or
+    in host memory with a device arena of ``memory.device_budget_bytes``."""
 
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig,
-                 device: torch.device | str = "cpu", own: Iterable[str] = ()) -> None:
+                 device: torch.device | str = "cpu", own: Iterable[str] = (),
+                 memory: MemorySettings | None = None) -> None:
         self.graph = graph
         self.seed = seed
         self.optim = optim
         self.device = torch.device(device)
+        self.memory = memory if memory is not None else MemorySettings()
         self._slots: dict[str, OpSlot] = {s.op_id: s for s in graph.slots()}
         self._modules: dict[str, nn.Module] = {}
         self._optims: dict[str, torch.optim.Optimizer] = {}
+        self._state_keys = optim_state_keys(optim.name, optim.momentum)
+        self._store = VirtualStore(self.memory, self.device, self._state_keys) if self.memory.virtual else None
+        self._plain = MemoryStats()  # all-resident mode: uses counted as hits
         for op_id in own:
             self.create(op_id)
+
+    @property
+    def virtual(self) -> bool:
+        """Whether ops live in host memory behind a bounded device arena."""
+        return self._store is not None
 
     # -- ownership -------------------------------------------------------------------------
     def owned(self) -> tuple[str, ...]:
@@ -73,20 +95,40 @@ class TensorManager:
         return op_id in self._modules
 
     def module(self, op_id: str) -> nn.Module:
+        """The op's module, resident (with a budget: fetched if it is not, and pinned until
+        ``release_step``)."""
         try:
-            return self._modules[op_id]
+            m = self._modules[op_id]
         except KeyError:
             raise KeyError(f"op {op_id!r} is not owned by this process (owned: {len(self._modules)} ops)") from None
+        if self._store is not None:
+            self._store.use(op_id, mutates=True)
+        return m
 
     def create(self, op_id: str) -> None:
         """Build an op with its initial weights (derived from the seed and op id)."""
-        self._install(op_id, build_op(self._slot(op_id).spec, op_id, self.seed).to(self.device))
+        module = build_op(self._slot(op_id).spec, op_id, self.seed)
+        if self._store is None:
+            self._install(op_id, module.to(self.device))
+            return
+        opt = self._install(op_id, module)
+        self._store.add(op_id, module, opt)
 
     def adopt(self, op_id: str, state: Mapping[str, torch.Tensor]) -> None:
-        """Take ownership of an op from its flat state (weights, buffers, optimizer state)."""
+        """Take ownership of an op from its flat state (weights, buffers, optimizer state).
+        With a budget the op lands in host memory (it is fetched when needed)."""
         spec = self._slot(op_id).spec
         with torch.device("meta"):
             module = build_op(spec, op_id, self.seed, seeded=False)
+        if self._store is not None:
+            module = module.to_empty(device="cpu")
+            opt = self._install(op_id, module)
+            try:
+                self._store.add(op_id, module, opt, dict(state))
+            except BaseException:
+                del self._modules[op_id], self._optims[op_id]
+                raise
+            return
         module = module.to_empty(device=self.device)
         with torch.no_grad():
             for name, p in module.named_parameters():
@@ -101,8 +143,15 @@ class TensorManager:
                 opt.state[p] = entry
 
     def export(self, op_id: str, release: bool = True) -> OpState:
-        """The op's flat state; with ``release`` the process gives the op up."""
-        module, opt = self.module(op_id), self._optims[op_id]
+        """The op's flat state; with ``release`` the process gives the op up. With a budget the
+        tensors are the op's host home (brought up to date; never staged through the device)."""
+        module, opt = self.module_unpinned(op_id), self._optims[op_id]
+        if self._store is not None:
+            state = self._store.export(op_id)
+            if release:
+                self._store.remove(op_id)
+                del self._modules[op_id], self._optims[op_id]
+            return state
         state: OpState = {}
         for name, p in module.named_parameters():
             state[f"param/{name}"] = p.detach()
@@ -116,15 +165,92 @@ class TensorManager:
             del self._modules[op_id], self._optims[op_id]
         return state
 
+    def module_unpinned(self, op_id: str) -> nn.Module:
+        """The op's module wherever it lives (no fetch, no pin): for inspection only."""
+        try:
+            return self._modules[op_id]
+        except KeyError:
+            raise KeyError(f"op {op_id!r} is not owned by this process (owned: {len(self._modules)} ops)") from None
+
+    # -- residency -------------------------------------------------------------------------
+    def prefetch(self, upcoming: Sequence[Collection[str]]) -> None:
+        """The op ids of the coming steps, in order (the first: the step about to run, whose
+        ``ensure`` comes next); fetching starts in the background. Unowned ids are ignored."""
+        if self._store is not None:
+            self._store.prefetch(upcoming)
+
+    def ensure(self, op_ids: Collection[str]) -> None:
+        """Make ``op_ids`` resident and pin them until ``release_step`` (a stall when they were
+        not fetched ahead)."""
+        if self._store is not None:
+            self._store.ensure(op_ids)
+        else:
+            n = sum(1 for o in dict.fromkeys(op_ids) if o in self._modules)
+            self._plain = MemoryStats(hits=self._plain.hits + n)
+
+    def release_step(self, advance: bool = True) -> MemoryStats:
+        """End of a step: unpin its ops, move the announced future on (``advance``), keep
+        prefetching. Returns the step's counters (all-resident: its uses as hits)."""
+        if self._store is not None:
+            return self._store.release_step(advance)
+        step, self._plain = self._plain, MemoryStats()
+        nbytes = self.resident_bytes()
+        return MemoryStats(None, nbytes, nbytes, hits=step.hits)
+
+    def stats(self) -> MemoryStats:
+        """Totals so far (all-resident: the bytes of every owned op)."""
+        if self._store is not None:
+            return self._store.stats()
+        nbytes = self.resident_bytes()
+        return MemoryStats(None, nbytes, nbytes)
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights, buffers and optimizer state on the device now, counted from the
+        tensors themselves (all-resident mode) or the arena's regions (with a budget)."""
+        if self._store is not None:
+            return self._store.arena.used
+        total = 0
+        for op_id, m in self._modules.items():
+            total += sum(t.nbytes for t in m.parameters()) + sum(t.nbytes for t in m.buffers())
+            for st in self._optims[op_id].state.values():
+                total += sum(t.nbytes for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return total
+
+    def audit(self) -> MemoryAudit | None:
+        """An independent count of the device tier, from the tensors (``None``: no budget)."""
+        return self._store.audit() if self._store is not None else None
+
+    def footprint(self, op_ids: Iterable[str]) -> int:
+        """Bytes ``op_ids`` take in the arena (aligned weights, buffers and optimizer state),
+        computed from their specs without building real weights; owned or not."""
+        align = alignment_for(self.device)
+        total = 0
+        for op_id in op_ids:
+            with torch.device("meta"):
+                module = build_op(self._slot(op_id).spec, op_id, self.seed, seeded=False)
+            total += op_layout(module, self._state_keys, align).nbytes
+        return total
+
+    def close(self) -> None:
+        """Wait for copies in flight and stop the copy thread."""
+        if self._store is not None:
+            self._store.close()
+
     # -- training --------------------------------------------------------------------------
     def step(self, op_ids: Iterable[str], lr: float) -> None:
         """One optimizer step for each of ``op_ids`` (ops without gradients are left alone)."""
         for op_id in op_ids:
             opt = self._optims[op_id]
+            if self._store is not None:
+                self._store.use(op_id, mutates=False)
             for group in opt.param_groups:
                 group["lr"] = lr
+            stepped = self._store is not None and any(
+                p.grad is not None for g in opt.param_groups for p in g["params"])
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if stepped:
+                self._store.stepped(op_id)
 
     def zero_grad(self) -> None:
         for opt in self._optims.values():
@@ -141,7 +267,8 @@ class TensorManager:
         if op_id in self._modules:
             raise RuntimeError(f"op {op_id!r} is already owned by this process; an op has exactly one owner")
         self._modules[op_id] = module
-        opt = self.optim.build(list(module.parameters()) or [torch.nn.Parameter(torch.zeros(0, device=self.device))])
+        dummy_device = self.device if self._store is None else "cpu"
+        opt = self.optim.build(list(module.parameters()) or [torch.nn.Parameter(torch.zeros(0, device=dummy_device))])
         self._optims[op_id] = opt
         return opt
 

@@ -1,0 +1,66 @@
+"""Memory settings (the ``memory`` config group): the device budget of the tensor manager.
+
+``device_budget_bytes``: the bytes of the device arena that holds the resident ops' weights,
+buffers and optimizer state (``null``: no arena, every op resident, today's behaviour).
+``host_memory``: where non-resident ops live: ``pageable``, ``pinned`` (page-locked, what
+makes host-to-device copies asynchronous and fast on CUDA) or ``shared`` (shared memory, so
+other processes on the machine can map it). ``policy``: what is evicted and when ops are
+fetched: ``belady`` (evict the op whose next use in the known future is furthest away,
+prefetch from the lookahead), ``lru`` (prefetch from the lookahead, evict the least recently
+used op) or ``on_demand`` (no prefetch: fetch synchronously when used, evict LRU).
+``prefetch_depth``: how many future steps the manager fetches ahead (as the budget allows).
+``max_in_flight``: copies in flight at once. ``activations``: the activation policy (``keep``,
+``swap``, ``recompute``, ``auto``); carried for the activation planner, not used by the
+tensor manager. ``optimizer``: where the optimizer state lives and is updated: ``device``
+(it travels with the op: 16 bytes per fp32 parameter with AdamW each way, 4 for the weights
+alone), the only placement implemented so far.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZER_PLACEMENTS"]
+
+HOST_MEMORY = ("pageable", "pinned", "shared")
+POLICIES = ("belady", "lru", "on_demand")
+ACTIVATIONS = ("keep", "swap", "recompute", "auto")
+OPTIMIZER_PLACEMENTS = ("device",)
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """How the tensor manager bounds the device working set (see the module docstring)."""
+
+    device_budget_bytes: int | None = None
+    host_memory: str = "pinned"
+    policy: str = "belady"
+    prefetch_depth: int = 2
+    max_in_flight: int = 4
+    activations: str = "keep"
+    optimizer: str = "device"
+
+    @property
+    def virtual(self) -> bool:
+        """Whether a budget is set (ops live in host memory and a bounded arena)."""
+        return self.device_budget_bytes is not None
+
+    def __post_init__(self) -> None:
+        b = self.device_budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ValueError(f"memory.device_budget_bytes: expected a positive integer (bytes) or null, found {b!r}")
+        if self.host_memory not in HOST_MEMORY:
+            raise ValueError(f"memory.host_memory: expected one of {list(HOST_MEMORY)}, found {self.host_memory!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"memory.policy: expected one of {list(POLICIES)}, found {self.policy!r}")
+        for name in ("prefetch_depth", "max_in_flight"):
+            v = getattr(self, name)
+            lo = 0 if name == "prefetch_depth" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"memory.{name}: expected an integer >= {lo}, found {v!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"memory.activations: expected one of {list(ACTIVATIONS)}, found {self.activations!r}")
+        if self.optimizer not in OPTIMIZER_PLACEMENTS:
+            raise ValueError(
+                f"memory.optimizer: expected one of {list(OPTIMIZER_PLACEMENTS)}, found {self.optimizer!r} "
+                "(the host-updated placement is not implemented)"
+            )

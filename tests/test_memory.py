@@ -1,0 +1,262 @@
+"""The virtualized tensor manager: a budget that forces evictions every step computes the same
+bits as all-resident, the device tier never holds more than the budget, and only dirty ops are
+written back."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from distributed import arch_stream, build_graph, step_data
+from pipeline import LrSchedule, MemoryBudgetError, MemorySettings, OptimConfig, ReferenceEngine, params_digest
+from pipeline.memory_arena import Arena, OpLayout
+from pipeline.tensors import TensorManager
+from supernet import OpContext, OpSpec, SupernetGraph
+
+STEPS = 5
+
+
+def optim_of(name: str) -> OptimConfig:
+    return OptimConfig(name=name, lr=0.05 if name == "sgd" else 3e-3, momentum=0.9, weight_decay=1e-4, nesterov=True)
+
+
+def run(space: str, optim: str, memory: MemorySettings | None, steps: int = STEPS, audit: bool = False) -> dict:
+    """Train ``steps`` steps through the reference engine as the app does (lookahead of 2),
+    evaluate one arch; with ``audit`` check the device tier inside every step and after it."""
+    graph = build_graph(space)
+    engine = ReferenceEngine(graph, 0, optim_of(optim), 4, LrSchedule(optim_of(optim).lr, steps, "cosine", 1),
+                             "cpu", memory=memory)
+    archs = arch_stream(graph, 0, steps + 1)
+    tm = engine.tensors
+    audits, steps_stats = [], []
+    if audit:
+        real_step = tm.step
+
+        def audited_step(op_ids, lr):  # after the backward, before the update: the step's peak
+            audits.append(tm.audit())
+            real_step(op_ids, lr)
+
+        tm.step = audited_step
+    losses, mb = [], []
+    for s in range(steps):
+        x, y = step_data(0, s, 16)
+        engine.plan_ahead(archs[s + 1 : s + 3])
+        r = engine.train_step(s, archs[s], x, y)
+        losses.append(r.loss)
+        mb.append(r.microbatch_losses)
+        steps_stats.append(r.memory)
+        if audit:
+            audits.append(tm.audit())
+    xv, yv = step_data(7, 0, 16)
+    ev = engine.evaluate(archs[steps], [(xv, yv)], [step_data(9, 0, 16)])
+    out = {"losses": losses, "mb": mb, "eval": (ev.loss, ev.correct), "digest": params_digest(engine.op_states()),
+           "stats": tm.stats(), "steps": steps_stats, "audits": audits}
+    engine.close()
+    return out
+
+
+def tight_budget(space: str, optim: str, steps: int = STEPS) -> int:
+    """The smallest budget this run can use: the largest footprint of its steps' subnets."""
+    graph = build_graph(space)
+    tm = TensorManager(graph, 0, optim_of(optim))
+    return max(tm.footprint(op.op_id for op in graph.active_ops(a)) for a in arch_stream(graph, 0, steps + 1))
+
+
+@pytest.fixture
+def no_static_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let tests use the tightest budget of their own runs (below the largest possible subnet)."""
+    monkeypatch.setattr(ReferenceEngine, "_check_budget", lambda self: None)
+
+
+@pytest.mark.parametrize("space", ["transformer", "conv", "cell"])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_a_budget_that_forces_evictions_computes_the_same_bits(space: str, optim: str, no_static_check) -> None:
+    budget = tight_budget(space, optim)
+    ref = run(space, optim, None)
+    got = run(space, optim, MemorySettings(device_budget_bytes=budget), audit=True)
+    for key in ("losses", "mb", "eval", "digest"):
+        assert got[key] == ref[key], f"{space}/{optim}: {key} differs with the manager"
+    assert all(st.evictions > 0 for st in got["steps"][1:]), f"{space}/{optim}: the budget should force evictions"
+    assert got["stats"].resident_bytes_peak <= budget
+    for st in got["steps"]:
+        assert st.resident_bytes_peak <= budget and st.budget_bytes == budget
+    assert len(got["audits"]) == 2 * STEPS
+    for a in got["audits"]:  # the independent count: tensors whose storage is the arena
+        assert a.capacity == budget and not a.stray, a.stray
+        assert 0 < a.arena_tensor_bytes <= a.arena_region_bytes <= budget
+
+
+@pytest.mark.parametrize("policy", ["lru", "on_demand"])
+def test_baseline_policies_compute_the_same_bits(policy: str, no_static_check) -> None:
+    budget = tight_budget("conv", "sgd")
+    ref = run("conv", "sgd", None)
+    got = run("conv", "sgd", MemorySettings(device_budget_bytes=budget, policy=policy))
+    assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"]
+    if policy == "on_demand":  # nothing fetched ahead: every fetch is a miss
+        assert got["stats"].late == 0 and got["stats"].misses == got["stats"].fetches - 0 > 0
+
+
+def test_prefetch_hides_fetches_with_room_for_two_steps() -> None:
+    """With the whole supernet's room, after the first step every use is a hit or a fetch
+    made ahead; on demand, every first use is a miss."""
+    graph = build_graph("transformer")
+    room = TensorManager(graph, 0, optim_of("sgd")).footprint(s.op_id for s in graph.slots())
+    ahead = run("transformer", "sgd", MemorySettings(device_budget_bytes=room, prefetch_depth=2))
+    lazy = run("transformer", "sgd", MemorySettings(device_budget_bytes=room, policy="on_demand"))
+    assert sum(st.misses for st in ahead["steps"][1:]) == 0
+    assert sum(st.misses for st in lazy["steps"]) == lazy["stats"].fetches > 0
+    assert ahead["digest"] == lazy["digest"]
+
+
+def test_an_infeasible_budget_names_the_field_and_the_shortfall() -> None:
+    graph = build_graph("conv")
+    with pytest.raises(MemoryBudgetError, match=r"memory\.device_budget_bytes: the largest subnet .* short by \d+ bytes") as e:
+        ReferenceEngine(graph, 0, optim_of("sgd"), 4, LrSchedule(0.05, 5), memory=MemorySettings(device_budget_bytes=4096))
+    assert e.value.short_by == e.value.needed - 4096 > 0
+    tm = TensorManager(graph, 0, optim_of("sgd"), own=[s.op_id for s in graph.slots()],
+                       memory=MemorySettings(device_budget_bytes=e.value.needed))
+    with pytest.raises(MemoryBudgetError, match="short by"):  # every op at once cannot fit
+        tm.ensure(tm.owned())
+    tm.close()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"device_budget_bytes": 0}, "memory.device_budget_bytes"),
+    ({"host_memory": "gpu"}, "memory.host_memory"),
+    ({"policy": "fifo"}, "memory.policy"),
+    ({"prefetch_depth": -1}, "memory.prefetch_depth"),
+    ({"max_in_flight": 0}, "memory.max_in_flight"),
+    ({"activations": "drop"}, "memory.activations"),
+    ({"optimizer": "host"}, "memory.optimizer"),
+])
+def test_bad_settings_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        MemorySettings(**kwargs)
+
+
+# -- the manager on its own ------------------------------------------------------------------
+
+def small_graph() -> SupernetGraph:
+    g = SupernetGraph("t")
+    g.add_fixed("stem", OpSpec.of("linear", d_in=8, d_out=8), ["input"])
+    g.add_choice("l0", {"a": OpSpec.of("mlp", d=8, hidden=16), "b": OpSpec.of("mlp", d=8, hidden=32)}, ["stem"])
+    return g
+
+
+def train(tm: TensorManager, op_id: str, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tm.ensure([op_id])
+        x = torch.randn(4, 8, generator=gen)
+        tm.module(op_id)(x, ctx=OpContext(0, 0, 0, op_id, True)).square().sum().backward()
+        tm.step([op_id], lr=0.1)
+        tm.release_step()
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_ops_migrate_between_resident_and_virtual_managers_from_host_memory(optim: str) -> None:
+    """An op in host memory is exported without a fetch; migration either way keeps its
+    optimizer state (the continued training equals one that never moved)."""
+    g, cfg = small_graph(), optim_of(optim)
+    mem = MemorySettings(device_budget_bytes=TensorManager(g, 0, cfg).footprint(["l0/b"]))  # one op at a time
+    stay = TensorManager(g, 0, cfg, own=["l0/a", "l0/b"])
+    virt = TensorManager(g, 0, cfg, own=["l0/a", "l0/b"], memory=mem)
+    for tm in (stay, virt):
+        train(tm, "l0/a", 2, seed=1)
+        train(tm, "l0/b", 1, seed=3)  # evicts l0/a (dirty: written back)
+    assert virt.stats().written_back_bytes > 0
+    fetched = virt.stats().fetched_bytes
+    state = virt.export("l0/a")  # in host memory: no fetch
+    assert virt.stats().fetched_bytes == fetched and not virt.owns("l0/a")
+    assert all(t.device.type == "cpu" for t in state.values())
+    plain = TensorManager(g, 0, cfg)  # virtual -> resident -> virtual
+    plain.adopt("l0/a", state)
+    back = TensorManager(g, 0, cfg, memory=mem)
+    back.adopt("l0/a", plain.export("l0/a"))
+    train(stay, "l0/a", 2, seed=2)
+    train(back, "l0/a", 2, seed=2)
+    assert params_digest({"x": stay.export("l0/a", release=False)}) == \
+        params_digest({"x": back.export("l0/a", release=False)})
+    for tm in (virt, back):
+        tm.close()
+
+
+def test_only_dirty_ops_are_written_back() -> None:
+    g = small_graph()
+    tm = TensorManager(g, 0, optim_of("sgd"), own=["l0/a", "l0/b"],
+                       memory=MemorySettings(device_budget_bytes=TensorManager(g, 0, optim_of("sgd")).footprint(["l0/b"])))
+    with torch.no_grad():  # used without a step (and no buffers): clean
+        tm.ensure(["l0/a"])
+        tm.module("l0/a")(torch.ones(2, 8), ctx=OpContext(0, 0, 0, "l0/a", False))
+        tm.release_step()
+    tm.ensure(["l0/b"])  # evicts l0/a: nothing to write back
+    assert tm.stats().evictions == 1 and tm.stats().written_back_bytes == 0
+    tm.release_step()
+    train(tm, "l0/b", 1, seed=0)
+    tm.ensure(["l0/a"])  # evicts l0/b, which took a step
+    assert tm.stats().written_back_bytes == tm.footprint(["l0/b"])
+    tm.close()
+
+
+def test_a_budget_of_none_is_todays_manager() -> None:
+    tm = TensorManager(small_graph(), 0, optim_of("adamw"), own=["stem"])
+    assert not tm.virtual and tm.audit() is None
+    train(tm, "stem", 1, seed=0)
+    st = tm.stats()
+    assert st.budget_bytes is None and st.resident_bytes == 8 * 8 * 4 * 3 + 8 * 4 * 3 and st.fetched_bytes == 0
+
+
+# -- the arena -------------------------------------------------------------------------------
+
+def test_arena_first_fit_compaction_and_overlapping_moves() -> None:
+    a = Arena(640, torch.device("cpu"), 64)
+    for i, n in enumerate([128, 64, 192, 64, 128]):
+        assert a.allocate(f"o{i}", n) is not None
+    assert a.allocate("x", 64) == 576 and a.allocate("y", 64) is None
+    a.free("x")
+    a.buffer[:] = torch.arange(640) % 251
+    expect = {op: a.buffer[off : off + n].clone() for op, (off, n) in a.regions.items()}
+    a.free("o1")
+    a.free("o3")
+    assert a.gaps() == [(128, 64), (384, 64), (576, 64)] and a.allocate("z", 128) is None
+    moves = a.plan_compaction(fixed=["o4"])  # o4 stays at 448; o2 slides down over its own bytes
+    assert moves == {"o2": 128}
+    for op, off in moves.items():
+        a.move(op, off)
+    for op, (off, n) in a.regions.items():
+        assert torch.equal(a.buffer[off : off + n], expect[op]), op
+    assert a.allocate("z", 128) == 320 and a.used == 128 + 192 + 128 + 128
+
+
+def test_slots_alias_the_buffer_without_sharing_its_version_counter() -> None:
+    layout = OpLayout.build([("param", "w", 0, torch.float32, (3, 5)), ("buffer", "n", -1, torch.int64, ())], 64)
+    assert [s.offset for s in layout.slots] == [0, 64] and layout.nbytes == 128
+    buf = torch.zeros(256, dtype=torch.uint8)
+    w, n = (s.view(buf, 128) for s in layout.slots)
+    w.fill_(1.5)
+    before = w._version
+    n.add_(7)
+    assert buf[128:188].view(torch.float32).eq(1.5).all() and buf[192:200].view(torch.int64).item() == 7
+    assert w._version == before and buf._version == 0  # in-place on one slot does not touch the others
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_is_bit_identical_to_resident(no_static_check) -> None:
+    graph = build_graph("conv")
+    outs = []
+    for mem in (None, MemorySettings(device_budget_bytes=tight_budget("conv", "adamw"))):
+        e = ReferenceEngine(graph, 0, optim_of("adamw"), 4, LrSchedule(3e-3, STEPS), "cuda", memory=mem)
+        archs = arch_stream(graph, 0, STEPS + 1)
+        losses = []
+        for s in range(STEPS):
+            e.plan_ahead(archs[s + 1 : s + 3])
+            losses.append(e.train_step(s, archs[s], *step_data(0, s, 16)).loss)
+        outs.append((losses, params_digest(e.op_states())))
+        e.close()
+    assert outs[0] == outs[1]
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        MemorySettings().policy = "lru"  # type: ignore[misc]
