@@ -94,6 +94,9 @@ def test_budget_eviction_rule_and_accounting(seed: int, policy: str) -> None:
         resident |= set(st.prefetch)
         ahead = (ahead - set(later)) | set(st.prefetch)
         assert sum(sizes[o] for o in resident) == st.resident_bytes <= budget
+        # every eviction made room for one fetch of this step
+        assert sorted(v for _, vs in st.evicted_for for v in vs) == sorted(st.evict)
+        assert {op for op, _ in st.evicted_for} <= set(st.fetches)
     assert plan.uses == sum(len(set(s)) for s in trace)
     assert plan.fetched_bytes == sum(sizes[o] for st in plan.steps for o in st.fetches)
 

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from supernet import INPUT, ActiveOp, OpContext, SupernetError, SupernetGraph, build_op
 from supernet.execute import live_across
 
-from .partition import OpCost, PartitionProblem
+from .partition import ManagedMemory, OpCost, PartitionProblem
 
 __all__ = ["CostTable", "analytic_costs", "mean_problem", "optim_bytes", "subnet_problem"]
 
@@ -116,9 +116,11 @@ def subnet_problem(
     bandwidth: float,
     latency: float,
     memory_budget: tuple[float, ...] | None = None,
+    memory: ManagedMemory | None = None,
 ) -> PartitionProblem:
     """The partition problem of one subnet: its ops' costs in order and the bytes live across
-    every possible cut (the same live sets :func:`supernet.execute.cut` sends)."""
+    every possible cut (the same live sets :func:`supernet.execute.cut` sends). ``memory``: the
+    tensor manager's memory model (None: everything resident)."""
     live = live_across(active, graph.output)
     cut_bytes = tuple(sum(table.out_bytes[n] for n in nodes) for nodes in live)
     return PartitionProblem(
@@ -130,6 +132,7 @@ def subnet_problem(
         bandwidth=bandwidth,
         latency=latency,
         memory_budget=memory_budget,
+        memory=memory,
     )
 
 

@@ -72,6 +72,7 @@ class StepResidency:
     dropped: tuple[str, ...]
     peak_bytes: int
     resident_bytes: int  # at the end of the step (after prefetching)
+    evicted_for: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (fetched op, the ops evicted to make its room)
 
     @property
     def fetches(self) -> tuple[str, ...]:
@@ -233,12 +234,17 @@ def plan_residency(
                 totals["written"] += sizes[op]
 
         # demand fetches: the step waits for them; any unpinned op may go (the step cannot run otherwise)
+        evicted_for: list[tuple[str, tuple[str, ...]]] = []
         for op in miss:
+            made: list[str] = []
             while used_bytes + sizes[op] > budget:
                 v = victim(t, pinned, NEVER) if policy != "belady" else victim(t, pinned, -1.0)
                 if v is None:  # unreachable: _check proved the step's ops fit
                     raise ResidencyError(f"step {t}: no op to evict for {op!r}")
                 drop(v)
+                made.append(v)
+            if made:
+                evicted_for.append((op, tuple(made)))
             res[op] = None
             used_bytes += sizes[op]
             totals["fetched"] += sizes[op]
@@ -276,6 +282,8 @@ def plan_residency(
                     break
                 for v in victims:
                     drop(v)
+                if victims:
+                    evicted_for.append((op, tuple(victims)))
                 res[op] = None
                 ahead.add(op)
                 used_bytes += sizes[op]
@@ -296,7 +304,7 @@ def plan_residency(
         totals["misses"] += len(miss)
         totals["peak"] = max(totals["peak"], peak)
         steps.append(StepResidency(t, hits, pre, miss, demand_evict, tuple(prefetch), tuple(evict),
-                                   tuple(writeback), dropped, peak, used_bytes))
+                                   tuple(writeback), dropped, peak, used_bytes, tuple(evicted_for)))
     return ResidencyPlan(policy, budget, tuple(steps), sum(len(n) for n in trace), totals["hits"],
                          totals["prefetched"], totals["misses"], totals["fetched"], totals["written"],
                          totals["peak"])
