@@ -253,8 +253,10 @@ class VirtualStore:
         for s in (self.pinned, self.in_use, self.ahead):
             s.discard(op_id)
 
-    def export(self, op_id: str) -> dict[str, torch.Tensor]:
-        """The op's flat state as host tensors (its host home, brought up to date first)."""
+    def export(self, op_id: str, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The op's flat state as host tensors, from its host home brought up to date: copies
+        (``copy``; a snapshot, and tensors that ``torch.save`` accepts) or views of the home
+        (for an op given up: its home goes with it, nothing is copied)."""
         rec = self.ops[op_id]
         if rec.state == FETCHING:
             self._complete(rec)
@@ -277,7 +279,7 @@ class VirtualStore:
                     slot = next(s for s in rec.layout.slots if s.kind == "optim" and s.index == i and s.name == key)
                     t = slot.view(host)
                 state[f"optim/{i}/{key}"] = t.detach()
-        return state
+        return {k: t.clone() for k, t in state.items()} if copy else state
 
     # -- the step's protocol -----------------------------------------------------------------
     def prefetch(self, upcoming: Sequence[Collection[str]]) -> None:

@@ -144,10 +144,12 @@ class TensorManager:
 
     def export(self, op_id: str, release: bool = True) -> OpState:
         """The op's flat state; with ``release`` the process gives the op up. With a budget the
-        tensors are the op's host home (brought up to date; never staged through the device)."""
+        tensors are host tensors (never staged through the device): a copy of the op's host home,
+        or with ``release`` the home itself (views of one buffer per op: send them, or clone
+        them before ``torch.save``)."""
         module, opt = self.module_unpinned(op_id), self._optims[op_id]
         if self._store is not None:
-            state = self._store.export(op_id)
+            state = self._store.export(op_id, copy=not release)
             if release:
                 self._store.remove(op_id)
                 del self._modules[op_id], self._optims[op_id]

@@ -76,7 +76,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
 
     # A failing pipeline rank leaves a note in failures/ that its peers quote in their reports.
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
-                           rc.pipeline, rc.device, failure_dir=str(out / "failures"))
+                           rc.pipeline, rc.device, failure_dir=str(out / "failures"), memory=rc.memory)
     rlog = _RankLog(log, {"rank": engine.rank})
     try:
         start = 0
@@ -110,6 +110,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                    "best_per_generation": list(result.history)},
         "params_digest": params_digest(states) if states is not None else None,
         "world_size": engine.world_size,
+        "memory": _memory_totals(engine),  # the tensor manager over the whole run (training and search)
         "space_size": space.size(),
         "train_time_s": round(train_s, 3),
         "search_time_s": round(search_s, 3),
@@ -200,6 +201,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
                     "step": step, "arch": dict(arch), "loss": res.loss if finite else None, "lr": schedule(step),
                     "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
                     "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
+                    **_memory_fields(res.memory),
                 }) + "\n")
                 metrics.flush()
                 bar.update(1)
@@ -254,6 +256,23 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
 def _bar_interval() -> float:
     """Seconds between progress-bar redraws: fewer when stderr goes to a file or a pipe."""
     return 0.1 if sys.stderr.isatty() else 5.0
+
+
+def _memory_fields(m: Any) -> dict[str, Any]:
+    """A step's tensor-manager figures for metrics.jsonl (null when the engine reports none)."""
+    keys = ("resident_bytes_peak", "fetched_bytes", "written_back_bytes", "hit_rate", "stall_s")
+    return {k: None if m is None else getattr(m, k) for k in keys}
+
+
+def _memory_totals(engine: Engine) -> dict[str, Any] | None:
+    tensors = getattr(engine, "tensors", None)
+    if tensors is None:
+        return None
+    m = tensors.stats()
+    return {"device_budget_bytes": m.budget_bytes, "resident_bytes_peak": m.resident_bytes_peak,
+            "fetched_bytes": m.fetched_bytes, "written_back_bytes": m.written_back_bytes, "fetches": m.fetches,
+            "write_backs": m.write_backs, "evictions": m.evictions, "hits": m.hits, "late": m.late,
+            "misses": m.misses, "hit_rate": m.hit_rate, "stall_s": round(m.stall_s, 6)}
 
 
 def _finite(x: float) -> float | None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import LrSchedule, OptimConfig, PipelineSettings
+from pipeline import LrSchedule, MemorySettings, OptimConfig, PipelineSettings
 from supernet import SupernetError, SupernetGraph, build_op
 
 from .data import Dataset
@@ -110,6 +110,7 @@ class RunConfig:
     train: TrainConfig
     search: SearchConfig
     pipeline: PipelineSettings
+    memory: MemorySettings = MemorySettings()
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -292,6 +293,21 @@ def _pipeline(root: _Group) -> PipelineSettings:
         raise ConfigError(_one_line(str(e))) from None
 
 
+def _memory(root: _Group) -> MemorySettings:
+    g = root.group("memory", {})
+    names = [f.name for f in dataclasses.fields(MemorySettings)]
+    for k in g.data:
+        if k not in names:
+            raise ConfigError(f"memory.{k}: unknown field; expected one of {names}")
+    budget = g.data.get("device_budget_bytes")
+    if isinstance(budget, float) and budget.is_integer():  # 1.0e+9 in YAML
+        g.data = {**g.data, "device_budget_bytes": int(budget)}
+    try:
+        return MemorySettings(**g.data)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(_one_line(str(e))) from None
+
+
 def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     """Validate the composed config and read it into a :class:`RunConfig`."""
     root = _Group(_to_container(cfg), "")
@@ -313,7 +329,7 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     g.done()
     run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
                     space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),
-                    pipeline=_pipeline(root))
+                    pipeline=_pipeline(root), memory=_memory(root))
     root.done(ignore=("hydra",))
     return run
 
