@@ -79,6 +79,7 @@ class TensorManager:
         self._state_keys = optim_state_keys(optim.name, optim.momentum)
         self._store = VirtualStore(self.memory, self.device, self._state_keys) if self.memory.virtual else None
         self._plain = MemoryStats()  # all-resident mode: uses counted as hits
+        self._bytes: dict[str, int] = {}  # all-resident mode: each op's bytes on the device
         for op_id in own:
             self.create(op_id)
 
@@ -165,6 +166,7 @@ class TensorManager:
                     state[f"optim/{i}/{key}"] = t.detach()
         if release:
             del self._modules[op_id], self._optims[op_id]
+            self._bytes.pop(op_id, None)
         return state
 
     def module_unpinned(self, op_id: str) -> nn.Module:
@@ -211,11 +213,14 @@ class TensorManager:
         tensors themselves (all-resident mode) or the arena's regions (with a budget)."""
         if self._store is not None:
             return self._store.arena.used
-        total = 0
-        for op_id, m in self._modules.items():
-            total += sum(t.nbytes for t in m.parameters()) + sum(t.nbytes for t in m.buffers())
-            for st in self._optims[op_id].state.values():
-                total += sum(t.nbytes for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return sum(self._bytes.get(o) if o in self._bytes else self._count(o) for o in self._modules)
+
+    def _count(self, op_id: str) -> int:
+        m, total = self._modules[op_id], 0
+        total += sum(t.nbytes for t in m.parameters()) + sum(t.nbytes for t in m.buffers())
+        for st in self._optims[op_id].state.values():
+            total += sum(t.nbytes for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        self._bytes[op_id] = total
         return total
 
     def audit(self) -> MemoryAudit | None:
@@ -249,7 +254,10 @@ class TensorManager:
                 group["lr"] = lr
             stepped = self._store is not None and any(
                 p.grad is not None for g in opt.param_groups for p in g["params"])
+            n_state = len(opt.state)
             opt.step()
+            if len(opt.state) != n_state:  # state created lazily: the op takes more bytes now
+                self._bytes.pop(op_id, None)
             opt.zero_grad(set_to_none=True)
             if stepped:
                 self._store.stepped(op_id)
