@@ -1,8 +1,9 @@
 """The command line: ``python -m search [hydra overrides]`` (also under torchrun).
 
 Bad input ends with one line, ``error: <what, expected, found>``, on stderr and exit status
-2; a failed pipeline rank with ``error: <rank, step, action, cause>`` and status 1 (set
-``HYDRA_FULL_ERROR=1`` for the traceback). Under torchrun every rank pins the same
+2; a failed pipeline rank with ``error: <rank, step, action, cause>`` and status 1; a
+non-finite loss (``train.nonfinite=stop``) with one line from rank 0 naming the step, the arch
+and the micro-batch, and status 1 (set ``HYDRA_FULL_ERROR=1`` for the traceback). Under torchrun every rank pins the same
 run directory, derived from the overrides, so that a restarted job finds its checkpoint.
 """
 from __future__ import annotations
@@ -76,20 +77,28 @@ def _is_rank0() -> bool:
 def main(cfg: DictConfig) -> None:
     from pipeline.runtime import StageFailure
 
-    from .app import run
+    from .app import NonFiniteLoss, run
 
     try:
         summary = run(cfg)
-    except (ValueError, StageFailure) as e:  # bad input (ConfigError, SupernetError, ...); a failed rank
+    except (ValueError, StageFailure, NonFiniteLoss) as e:  # bad input (ConfigError, ...); a failed rank
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if isinstance(e, StageFailure):  # keeps its rank-by-step grid on the lines below
             print(f"error: {str(e).strip()}", file=sys.stderr)
             sys.exit(1)
+        if isinstance(e, NonFiniteLoss):  # every rank stops; one line, from rank 0
+            if _is_rank0():
+                print(f"error: {_one_line(str(e))}", file=sys.stderr)
+            sys.exit(1)
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
     if _is_rank0():
         best = summary["best"]
+        if best is None:
+            print(f"error: no architecture evaluated to a finite validation loss (non-finite steps skipped: "
+                  f"{summary['nonfinite_steps_skipped']}); see {summary['output_dir']}", file=sys.stderr)
+            sys.exit(1)
         print(f"best arch: {json.dumps(best['arch'], sort_keys=True)}")
         print(f"val accuracy: {best['val_accuracy']:.4f} (params {best['params']}, flops {best['flops']})")
         print(f"output dir: {summary['output_dir']}")

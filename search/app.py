@@ -18,27 +18,40 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import supernet.spaces  # noqa: F401 - registers the built-in spaces and their ops
 from pipeline import Engine, EvalResult, create_engine, params_digest
 from supernet import Arch, SearchSpace, derive_seed
 
-from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, load_checkpoint,
+from pipeline.trace import write_trace
+
+from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, resume_checkpoint,
                          save_checkpoint)
 from .config import ConfigError, RunConfig, build_data, build_space, config_digest, load_config, train_digest
 from .evolution import SearchResult, SubnetCost, evolution_search, random_search
 from .samplers import Sampler, make_sampler
 
-__all__ = ["run", "METRICS_NAME", "SUMMARY_NAME"]
+__all__ = ["run", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
 
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
+TRACE_NAME = "trace.json"
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training diverged: a step's loss is not finite and ``train.nonfinite`` is ``stop``."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 log = logging.getLogger(__name__)
 
@@ -69,42 +82,58 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     space = graph.space()
     seed_archs = [space.validate(a, f"search.seed_archs[{i}]") for i, a in enumerate(rc.search.seed_archs)]
     sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)
+    cost = SubnetCost(graph, data.input_shape, rc.seed)
+    rc.search.constraints.check_feasible(space, cost)  # bounds no arch meets fail before training
     ckpt_path = out / CHECKPOINT_NAME
-    ckpt = load_checkpoint(ckpt_path) if rc.resume else None
+    ckpt, ckpt_file = resume_checkpoint(ckpt_path) if rc.resume else (None, None)
     if ckpt is not None:
-        _check_resumable(ckpt, ckpt_path, tdigest, rc)
+        _check_resumable(ckpt, ckpt_file, tdigest, rc)
 
     # A failing pipeline rank leaves a note in failures/ that its peers quote in their reports.
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
                            rc.pipeline, rc.device, failure_dir=str(out / "failures"), memory=rc.memory)
     rlog = _RankLog(log, {"rank": engine.rank})
-    try:
-        start = 0
-        if ckpt is not None:
-            engine.load_op_states(ckpt.op_states)
-            sampler.load_state_dict(ckpt.sampler)
-            start = ckpt.step
-            rlog.info("resuming from %s at step %d", ckpt_path, start)
-        losses = _open_metrics(out / METRICS_NAME, start) if engine.is_main else []
-        t0 = time.perf_counter()
-        states = _train(rc, engine, sampler, data, out, start, losses, digest, tdigest, rlog)
-        train_s = time.perf_counter() - t0
+    # On a terminal log lines go through the progress bar instead of tearing it
+    with logging_redirect_tqdm() if _show_bars(engine) else nullcontext():
+        try:
+            start = 0
+            if ckpt is not None:
+                engine.load_op_states(ckpt.op_states)
+                sampler.load_state_dict(ckpt.sampler)
+                start = ckpt.step
+                rlog.info("resuming from %s at step %d", ckpt_file, start)
+            losses = _open_metrics(out / METRICS_NAME, start) if engine.is_main else []
+            t0 = time.perf_counter()
+            # after a fall-back to the previous checkpoint the unreadable latest is replaced, not kept
+            states = _train(rc, engine, sampler, data, out, start, losses, digest, tdigest, rlog,
+                            keep_previous=ckpt_file is None or ckpt_file == ckpt_path)
+            train_s = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        cost = SubnetCost(graph, data.input_shape, rc.seed)
-        result, evals = _search(rc, engine, space, data, cost, seed_archs)
-        search_s = time.perf_counter() - t0
-    finally:
+            t0 = time.perf_counter()
+            result, evals = _search(rc, engine, space, data, cost, seed_archs)
+            search_s = time.perf_counter() - t0
+            if engine.is_main:
+                _write_search_log(out / f"search-{rc.search.algorithm}.jsonl", rc, evals, cost)
+        except BaseException:
+            try:
+                engine.close()
+            except Exception as e:  # the failure that got us here is the one to report
+                rlog.warning("closing the engine after a failure failed too: %s", e)
+            raise
         engine.close()
 
     top = [_entry(c.arch, evals[c.arch], cost) for c in result.top]
+    # An arch whose evaluation is not finite scored -inf (ranked last); it is never the best.
+    best = next((t for t in top if not t["nonfinite"]), None)
     summary: dict[str, Any] = {
         "config_digest": digest,
         "steps": rc.train.steps,
         "resumed_from_step": start,
         "final_loss": _finite(losses[-1]) if losses else None,  # null: not the main rank, or diverged
         "mean_loss_last10": _finite(sum(losses[-10:]) / len(losses[-10:])) if losses else None,
-        "best": top[0],
+        # train.nonfinite=skip: steps that updated nothing (null: not the main rank)
+        "nonfinite_steps_skipped": sum(not math.isfinite(v) for v in losses) if engine.is_main else None,
+        "best": best,
         "top_k": top,
         "search": {"algorithm": rc.search.algorithm, "evaluated": result.evaluated,
                    "best_per_generation": list(result.history)},
@@ -112,6 +141,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         "world_size": engine.world_size,
         "memory": _memory_totals(engine),  # the tensor manager over the whole run (training and search)
         "space_size": space.size(),
+        "space": {"target": rc.space.target, "options": rc.space.options},  # what search.report rebuilds
+        "data": {"input_shape": list(data.input_shape), "num_classes": data.num_classes},
         "train_time_s": round(train_s, 3),
         "search_time_s": round(search_s, 3),
         "wall_time_s": round(time.perf_counter() - t_start, 3),
@@ -119,7 +150,11 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     }
     if engine.is_main:
         atomic_write_text(out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
-        rlog.info("best arch %s: val accuracy %.4f", summary["best"]["arch"], summary["best"]["val_accuracy"])
+        if best is None:
+            rlog.error("no architecture evaluated to a finite validation loss; the supernet's weights are "
+                       "not finite (see nonfinite_steps_skipped in %s)", out / SUMMARY_NAME)
+        else:
+            rlog.info("best arch %s: val accuracy %.4f", best["arch"], best["val_accuracy"])
     return summary
 
 
@@ -169,21 +204,27 @@ def _open_metrics(path: Path, start: int) -> list[float]:
 
 
 def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path, start: int,
-           losses: list[float], digest: str, tdigest: str, rlog: logging.LoggerAdapter) -> Any:
+           losses: list[float], digest: str, tdigest: str, rlog: logging.LoggerAdapter,
+           keep_previous: bool = True) -> Any:
     """Train from step ``start``; checkpoints on the way and at the end. Returns the final op
-    states (main rank; ``None`` elsewhere)."""
+    states (main rank; ``None`` elsewhere). ``keep_previous=False``: the latest checkpoint is unreadable, so the first save
+    replaces it instead of keeping it as the previous one."""
     t = rc.train
     schedule = t.schedule()
+    keep = [keep_previous]
+    last_saved = [start]
 
     def checkpoint(step: int) -> Any:
         states = engine.op_states()  # collective: every rank takes part, the main rank gets them
         if engine.is_main:
-            save_checkpoint(out / CHECKPOINT_NAME,
-                            Checkpoint(step, states, sampler.state_dict(), tdigest, digest))
+            save_checkpoint(out / CHECKPOINT_NAME, Checkpoint(step, states, sampler.state_dict(), tdigest, digest),
+                            keep_previous=keep[0])
+        keep[0], last_saved[0] = True, step
         return states
 
+    skipped = 0
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
-               disable=not engine.is_main, dynamic_ncols=True, leave=False, mininterval=_bar_interval())
+               disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
     metrics = (out / METRICS_NAME).open("a") if engine.is_main else None
     try:
         for step in range(start, t.steps):
@@ -191,23 +232,34 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
             x, y = data.train_batch(step, t.batch_size)
             engine.plan_ahead(sampler.peek(min(PLAN_AHEAD, t.steps - step - 1)))  # planned while this step runs
             res = engine.train_step(step, arch, x, y)
+            # Every rank that has the micro-batch losses decides alike (the main rank always has them).
+            bad = next((m for m, v in enumerate(res.microbatch_losses) if not math.isfinite(v)), None)
             if engine.is_main:
-                finite = math.isfinite(res.loss)
-                if not finite and all(math.isfinite(v) for v in losses):
-                    rlog.warning("step %d: the loss is %s; lower train.optimizer.lr or add warmup_steps",
-                                 step, res.loss)
                 losses.append(res.loss)
                 metrics.write(json.dumps({
-                    "step": step, "arch": dict(arch), "loss": res.loss if finite else None, "lr": schedule(step),
+                    "step": step, "arch": dict(arch), "loss": _finite(res.loss), "lr": schedule(step),
                     "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
                     "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
                     **_memory_fields(res.memory),
+                    **({"nonfinite": t.nonfinite} if bad is not None else {}),
                 }) + "\n")
                 metrics.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
-                if (step + 1) % t.log_every == 0:
-                    recent = losses[-t.log_every:]
+            if bad is not None:
+                where = (f"step {step}: the loss is {res.microbatch_losses[bad]} at micro-batch {bad} of arch "
+                         f"{json.dumps(dict(arch), sort_keys=True)}")
+                if t.nonfinite == "stop":
+                    saved = (f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {last_saved[0]})"
+                             if last_saved[0] > 0 else "no checkpoint was written")
+                    raise NonFiniteLoss(
+                        f"{where}; stopped (train.nonfinite=stop); {saved}. Hint: lower train.optimizer.lr or "
+                        "add train.warmup_steps, or train.nonfinite=skip to skip such steps", step)
+                skipped += 1
+                rlog.warning("%s; skipped: no update (train.nonfinite=skip, %d so far)", where, skipped)
+            elif engine.is_main and (step + 1) % t.log_every == 0:
+                recent = [v for v in losses[-t.log_every:] if math.isfinite(v)]
+                if recent:
                     rlog.info("step %d/%d: loss %.4f (mean of last %d), lr %.4g", step + 1, t.steps,
                               sum(recent) / len(recent), len(recent), schedule(step))
             if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
@@ -230,12 +282,13 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
     calib = data.calib_batches(s.bn_calib_batches, s.calib_batch_size)
     evals: dict[Arch, EvalResult] = {}
     bar = tqdm(total=s.budget, desc=f"search ({s.algorithm})", unit="arch", file=sys.stderr,
-               disable=not engine.is_main, dynamic_ncols=True, leave=False, mininterval=_bar_interval())
+               disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
 
     def scorer(arch: Arch) -> float:
-        evals[arch] = engine.evaluate(arch, val, calib)
+        evals[arch] = ev = engine.evaluate(arch, val, calib)
         bar.update(1)
-        return evals[arch].accuracy
+        # not finite (NaN logits still have an argmax): ranked last, never the best
+        return ev.accuracy if math.isfinite(ev.loss) else -math.inf
 
     # search.seed varies the search alone: the trained supernet (checkpoint) stays the same
     rng = random.Random(derive_seed(rc.seed if s.seed is None else s.seed, "search"))
@@ -253,9 +306,22 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
     return result, evals
 
 
-def _bar_interval() -> float:
-    """Seconds between progress-bar redraws: fewer when stderr goes to a file or a pipe."""
-    return 0.1 if sys.stderr.isatty() else 5.0
+def _write_search_log(path: Path, rc: RunConfig, evals: dict[Arch, EvalResult], cost: SubnetCost) -> None:
+    """Every scored arch in scoring order: its generation (for random search, the same-sized
+    batches evolution would have had), accuracy, loss and parameters."""
+    lines = []
+    for i, (arch, ev) in enumerate(evals.items()):  # dicts keep insertion (= scoring) order
+        lines.append(json.dumps({
+            "index": i, "generation": i // rc.search.population, "arch": dict(arch), "val_accuracy": ev.accuracy,
+            "val_loss": _finite(ev.loss), "nonfinite": not math.isfinite(ev.loss), "params": cost.params(arch),
+        }) + "\n")
+    atomic_write_text(path, "".join(lines))
+
+
+def _show_bars(engine: Engine) -> bool:
+    """Progress bars on the main rank's terminal only: in a log file or a pipe a bar is only
+    fragments of carriage-return redraws."""
+    return engine.is_main and sys.stderr.isatty()
 
 
 def _memory_fields(m: Any) -> dict[str, Any]:
@@ -286,4 +352,4 @@ def _entry(arch: Arch, ev: EvalResult, cost: SubnetCost) -> dict[str, Any]:
         log.warning("cannot count the FLOPs of %s: %s", arch, e)
         flops = None
     return {"arch": dict(arch), "val_accuracy": ev.accuracy, "val_loss": _finite(ev.loss),
-            "params": cost.params(arch), "flops": flops}
+            "nonfinite": not math.isfinite(ev.loss), "params": cost.params(arch), "flops": flops}

@@ -6,10 +6,16 @@ optimizer state, as :meth:`pipeline.Engine.op_states` gives them), the sampler s
 the digests of the config. Files are written atomically — to a temporary file in the same
 directory, flushed and fsynced, then ``os.replace``-d over the target — so a reader sees the
 old file or the new one, never half of one.
+
+The checkpoint before the latest is kept beside it (``checkpoint.prev.pt``): a new checkpoint is
+written and fsynced under a temporary name first, then the latest becomes the previous and the
+new one the latest, so a durable checkpoint exists at every moment. :func:`resume_checkpoint`
+falls back to the previous one, with a warning naming both, when the latest cannot be read.
 """
 from __future__ import annotations
 
 import io
+import logging
 import os
 import uuid
 from collections.abc import Mapping
@@ -19,11 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
-           "load_checkpoint", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
+           "load_checkpoint", "resume_checkpoint", "previous_path", "atomic_write_bytes", "atomic_write_text"]
 
 FORMAT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
+PREVIOUS_NAME = "checkpoint.prev.pt"
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -47,8 +56,9 @@ class Checkpoint:
         }
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers never see a partial file."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, keep_previous: str | os.PathLike | None = None) -> None:
+    """Write ``data`` to ``path`` so that readers never see a partial file. With
+    ``keep_previous``, the file ``path`` held moves there once the new data is durable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A unique name beside the target (same filesystem, so os.replace is atomic); opened
@@ -59,6 +69,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous is not None and path.exists():
+            os.replace(path, keep_previous)  # a crash here leaves the previous, which resume falls back to
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -84,10 +96,42 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(path: str | os.PathLike, ckpt: Checkpoint) -> None:
+def previous_path(path: str | os.PathLike) -> Path:
+    """Where the checkpoint before the one at ``path`` is kept."""
+    path = Path(path)
+    return path.with_name(PREVIOUS_NAME if path.name == CHECKPOINT_NAME else f"{path.stem}.prev{path.suffix}")
+
+
+def save_checkpoint(path: str | os.PathLike, ckpt: Checkpoint, keep_previous: bool = True) -> None:
+    """Write ``ckpt`` atomically; the checkpoint it replaces becomes :func:`previous_path` unless
+    ``keep_previous`` is false (the latest is known to be unreadable: the previous stays)."""
     buf = io.BytesIO()
     torch.save(ckpt.to_dict(), buf)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue(), previous_path(path) if keep_previous else None)
+
+
+def resume_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint | None, Path | None]:
+    """The checkpoint to resume from and its file: the latest at ``path``, or the previous one
+    (with a warning naming both) when the latest is missing or cannot be read; ``(None, None)``
+    when there is neither. Raises :class:`CheckpointError` when neither can be read."""
+    path, prev = Path(path), previous_path(path)
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        if not prev.exists():
+            raise
+        fallback = load_checkpoint(prev)
+        log.warning("cannot read the latest checkpoint %s (%s); resuming from the previous one, %s (step %d)",
+                    path, e, prev, fallback.step)
+        return fallback, prev
+    if ckpt is not None:
+        return ckpt, path
+    if prev.exists():
+        fallback = load_checkpoint(prev)
+        log.warning("no latest checkpoint %s (a crash while replacing it); resuming from the previous one, %s "
+                    "(step %d)", path, prev, fallback.step)
+        return fallback, prev
+    return None, None
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint | None:

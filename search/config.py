@@ -35,6 +35,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
 ALGORITHMS = ("evolution", "random")
+NONFINITE = ("stop", "skip")
 _HYDRA_KEYS = ("_target_", "_args_", "_recursive_", "_convert_", "_partial_")
 
 
@@ -64,6 +65,7 @@ class TrainConfig:
     min_lr: float = 0.0
     checkpoint_every: int = 0  # 0: only at the end
     log_every: int = 50
+    nonfinite: str = "stop"  # a step whose loss is not finite: stop the run, or skip (no update)
 
     def schedule(self) -> LrSchedule:
         return LrSchedule(self.optimizer.lr, self.steps, self.lr_schedule, self.warmup_steps, self.min_lr)
@@ -249,7 +251,7 @@ def _train(root: _Group) -> TrainConfig:
         steps=steps, batch_size=batch, microbatches=micro, optimizer=optim,
         lr_schedule=g.choice("lr_schedule", LR_SCHEDULES, "cosine"), warmup_steps=warmup,
         min_lr=g.float("min_lr", 0.0, lo=0.0), checkpoint_every=g.int("checkpoint_every", 0, minimum=0),
-        log_every=g.int("log_every", 50, minimum=1),
+        log_every=g.int("log_every", 50, minimum=1), nonfinite=g.choice("nonfinite", NONFINITE, "stop"),
     )
     g.done()
     return cfg
@@ -429,9 +431,11 @@ def config_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
 
 def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
     """sha256 over the fields that decide what training computes (seed, space, sampler, data,
-    train but its logging and checkpoint cadence). A checkpoint resumes only a run with the
-    same digest; search settings, threads, pipeline layout and paths may change."""
+    train but its logging and checkpoint cadence and ``nonfinite``). A checkpoint resumes only a
+    run with the same digest; search settings, threads, pipeline layout and paths may change, and
+    a run stopped by a non-finite loss may resume with ``train.nonfinite=skip``."""
     data = _to_container(cfg)
-    train = {k: v for k, v in data.get("train", {}).items() if k not in ("checkpoint_every", "log_every")}
+    train = {k: v for k, v in data.get("train", {}).items()
+             if k not in ("checkpoint_every", "log_every", "nonfinite")}
     return _digest({"seed": data.get("seed"), "space": data.get("space"), "sampler": data.get("sampler"),
                     "data": data.get("data"), "train": train})

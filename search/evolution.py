@@ -236,6 +236,20 @@ class SubnetCost:
             total += self._op_params[op.op_id]
         return total
 
+    def cheapest(self, space: SearchSpace, measure: str) -> tuple[Arch, int]:
+        """The arch of ``space`` with the fewest ``measure`` (``"params"`` or ``"flops"``) and
+        that count, found without training. Both are sums over the active ops, and a slot's
+        candidates read and produce the same shapes (every op downstream runs whichever is
+        chosen), so each slot's cheapest candidate can be chosen alone. A candidate's FLOPs are
+        its arch's FLOPs minus the base arch's (the first value of every slot)."""
+        count = self.params if measure == "params" else self.flops
+        base = Arch({c.label: c.values[0] for c in space.choices})
+        best = dict(base)
+        for c in space.choices:
+            best[c.label] = min(c.values, key=lambda v: count(Arch({**base, c.label: v})))
+        arch = Arch(best)
+        return arch, count(arch)
+
     def flops(self, arch: Arch) -> int:
         if arch not in self._flops:
             try:
@@ -267,6 +281,19 @@ class Constraints:
     @property
     def active(self) -> bool:
         return self.max_params is not None or self.max_flops is not None
+
+    def check_feasible(self, space: SearchSpace, cost: SubnetCost) -> None:
+        """Raise :class:`SearchError` when no arch of ``space`` can meet a bound: the cheapest
+        arch's parameters (FLOPs) exceed ``max_params`` (``max_flops``). Nothing is trained."""
+        for field_, limit in (("params", self.max_params), ("flops", self.max_flops)):
+            if limit is None:
+                continue
+            arch, least = cost.cheapest(space, field_)
+            if least > limit:
+                raise SearchError(
+                    f"search.constraints.max_{field_}: expected at least {least}, the fewest {field_} of any "
+                    f"architecture of the space ({arch.to_json()}), found {limit}; no architecture can meet it"
+                )
 
     def check(self, cost: SubnetCost) -> Constraint | None:
         """The constraint as an ``arch -> bool`` callable, or ``None`` when unconstrained."""

@@ -55,7 +55,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 def test_run_writes_metrics_summary_and_checkpoint(tiny_run: tuple[Path, dict]) -> None:
     out, summary = tiny_run
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.jsonl", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl", "search-evolution.jsonl", "summary.json"]
     assert json.loads((out / "summary.json").read_text()) == summary
 
     metrics = read_metrics(out)
@@ -77,6 +78,12 @@ def test_run_writes_metrics_summary_and_checkpoint(tiny_run: tuple[Path, dict]) 
 
     ckpt = load_checkpoint(out / "checkpoint.pt")
     assert ckpt.step == 12 and ckpt.sampler["consumed"] == 12
+    assert load_checkpoint(out / "checkpoint.prev.pt").step == 10  # the one before is kept
+    log = [json.loads(line) for line in (out / "search-evolution.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in log] == list(range(8)) and [e["generation"] for e in log] == [0] * 4 + [1] * 4
+    assert summary["search"]["best_per_generation"] == [max(e["val_accuracy"] for e in log[:4]),
+                                                        max(e["val_accuracy"] for e in log)]
+    assert summary["nonfinite_steps_skipped"] == 0 and not any(t["nonfinite"] for t in top)
     assert params_digest(ckpt.op_states) == summary["params_digest"]
 
 
@@ -235,7 +242,8 @@ def test_torchrun_two_stages_pin_the_run_dir_resume_and_match_one_process(tiny_r
     (run_dir,) = (tmp_path / "outputs" / "torchrun").iterdir()
     assert run_dir.name == torchrun_argv(["search", *args], {"WORLD_SIZE": "2"})[-1].rsplit("/", 1)[1]
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoint.pt", "metrics.jsonl", "search.log", "summary.json"]
+        ".hydra", "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl", "search-evolution.jsonl", "search.log",
+        "summary.json"]
     assert first.stdout.count("best arch: ") == 1  # printed by rank 0 only
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params_digest"] == single["params_digest"]
