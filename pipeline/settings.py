@@ -26,7 +26,8 @@ class PipelineSettings:
     ``backend``: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``.
     ``link_bandwidth`` (bytes/s) and ``link_latency_s``: the link model the planner charges for
     what crosses a cut. ``memory_budget_bytes``: per-stage limit on weights, optimizer state and
-    in-flight activations (``null``: no limit).
+    in-flight activations (``null``: no limit). ``trace_steps``: training steps whose timeline
+    every rank records (:mod:`pipeline.trace`); rank 0 writes them to ``trace.json``.
     """
 
     stages: int | None = None
@@ -41,6 +42,7 @@ class PipelineSettings:
     link_bandwidth: float = 1e9
     link_latency_s: float = 5e-5
     memory_budget_bytes: float | None = None
+    trace_steps: tuple[int, ...] = ()
 
     def budgets(self, num_stages: int) -> tuple[float, ...] | None:
         return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
@@ -67,6 +69,11 @@ class PipelineSettings:
             )
         if self.memory_budget_bytes is not None and not self.memory_budget_bytes > 0:
             raise ValueError(f"pipeline.memory_budget_bytes: expected a positive number or null, found {self.memory_budget_bytes!r}")
+        steps = self.trace_steps
+        if (not isinstance(steps, (list, tuple))
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps)):
+            raise ValueError(f"pipeline.trace_steps: expected a list of step indices (integers >= 0), found {steps!r}")
+        object.__setattr__(self, "trace_steps", tuple(sorted(set(steps))))  # from YAML it comes as a list
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
 

@@ -332,6 +332,9 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
                     space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),
                     pipeline=_pipeline(root), memory=_memory(root))
+    late = [s for s in run.pipeline.trace_steps if s >= run.train.steps]
+    if late:
+        raise ConfigError(f"pipeline.trace_steps: expected steps below train.steps ({run.train.steps}), found {late}")
     root.done(ignore=("hydra",))
     return run
 

@@ -93,6 +93,10 @@ def test_custom_space_through_a_yaml_on_the_search_path(tmp_path: Path) -> None:
     (["seed=-1"], "seed: expected an integer >= 0, found -1"),
     (["+train.stepz=5"], "train.stepz: unknown field; expected one of"),
     (["+pipeline.depth=2"], "pipeline.depth: unknown field; expected one of"),
+    (["pipeline.trace_steps=[2,-1]"], "pipeline.trace_steps: expected a list of step indices (integers >= 0), found [2, -1]"),
+    (["pipeline.trace_steps=3"], "pipeline.trace_steps: expected a list of step indices (integers >= 0), found 3"),
+    (["train.steps=10", "pipeline.trace_steps=[3,10]"], "pipeline.trace_steps: expected steps below train.steps (10), found [10]"),
+    (["train.nonfinite=ignore"], "train.nonfinite: expected one of ['stop', 'skip'], found 'ignore'"),
 ])
 def test_malformed_config_names_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
