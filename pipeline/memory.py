@@ -242,12 +242,14 @@ class VirtualStore:
                     if t is not None:
                         slot.view(host).copy_(t)
         rec.point(host, 0)
+        if not layout.nbytes:  # nothing to place (an identity op): always resident
+            rec.state = RESIDENT
         self.ops[op_id] = rec
 
     def remove(self, op_id: str) -> None:
         """Forget an op (after :meth:`export`); its arena region is freed."""
         rec = self.ops.pop(op_id)
-        if rec.state != HOST:
+        if rec.state != HOST and rec.nbytes:
             self._complete(rec)
             self.arena.free(op_id)
         for s in (self.pinned, self.in_use, self.ahead):
@@ -260,7 +262,7 @@ class VirtualStore:
         rec = self.ops[op_id]
         if rec.state == FETCHING:
             self._complete(rec)
-        if rec.state == RESIDENT and rec.dirty:
+        if rec.state == RESIDENT and rec.dirty and rec.nbytes:
             self._write_back(rec).synchronize()
         if rec.host_pending is not None:
             rec.host_pending.synchronize()

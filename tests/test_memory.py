@@ -260,3 +260,105 @@ def test_cuda_budget_is_bit_identical_to_resident(no_static_check) -> None:
 def test_settings_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         MemorySettings().policy = "lru"  # type: ignore[misc]
+
+
+# -- the CUDA copy path, with CPU stand-ins for streams and events ---------------------------
+
+class _FakeEvent:
+    def __init__(self, log: list) -> None:
+        self.log, self.recorded_on, self.waited = log, None, 0
+
+    def record(self, stream) -> None:
+        self.recorded_on = stream
+        self.log.append(("record", stream.name))
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.recorded_on.name))
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        event.waited += 1
+        self.log.append(("wait_event", self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("stream_synchronize", self.name))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list:
+    """torch.cuda's streams and events replaced by stand-ins that log what the copier asks for
+    (copies themselves run at once, on CPU tensors)."""
+    import contextlib
+
+    log: list = []
+    compute = _FakeStream("compute", log)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream("side", log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _FakeEvent(log))
+
+    @contextlib.contextmanager
+    def stream(s):
+        log.append(("enter", s.name))
+        yield
+        log.append(("exit", s.name))
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    return log
+
+
+def test_cuda_copier_orders_copies_after_compute_and_compute_after_copies(fake_cuda: list) -> None:
+    from pipeline.memory_arena import CudaCopier
+
+    copier = CudaCopier(torch.device("cuda"))
+    src, dst = torch.arange(8.0), torch.zeros(8)
+    h = copier.copy(dst, src)
+    assert torch.equal(dst, src)
+    # the side stream waits for the compute queued so far (a region is overwritten only after
+    # the kernels that read it), copies, and records an event on itself
+    assert fake_cuda == [("wait_stream", "side", "compute"), ("enter", "side"), ("record", "side"), ("exit", "side")]
+    h.wait()  # before use: the compute stream waits for the event (the host does not block)
+    assert fake_cuda[-1] == ("wait_event", "compute") and h.done()
+    h.synchronize()  # before the host reads or frees a host buffer
+    assert fake_cuda[-1] == ("synchronize", "side")
+
+
+def test_the_store_waits_for_every_fetch_through_cuda_handles(fake_cuda: list, no_static_check) -> None:
+    """The whole manager driven through the CUDA copier (stand-ins): every fetch's event is
+    waited on by the compute stream before the op is used, and the bits are unchanged."""
+    from pipeline.memory_arena import CudaCopier
+
+    events: list[_FakeEvent] = []
+    real_event = torch.cuda.Event
+
+    def event(*a, **k):
+        events.append(real_event())
+        return events[-1]
+
+    torch.cuda.Event = event  # restored by the fixture's monkeypatch
+    graph = build_graph("conv")
+    archs = arch_stream(graph, 0, STEPS + 1)
+    digests = []
+    for mem in (None, MemorySettings(device_budget_bytes=tight_budget("conv", "adamw"))):
+        engine = ReferenceEngine(graph, 0, optim_of("adamw"), 4, LrSchedule(3e-3, STEPS), "cpu", memory=mem)
+        if mem is not None:
+            engine.tensors._store.copier = CudaCopier(torch.device("cuda"))
+        for s in range(STEPS):
+            engine.plan_ahead(archs[s + 1 : s + 3])
+            engine.train_step(s, archs[s], *step_data(0, s, 16))
+        digests.append(params_digest(engine.op_states()))
+    st = engine.tensors.stats()
+    assert st.fetches > 0 and st.write_backs > 0
+    assert len(events) == st.fetches + st.write_backs
+    fetch_events = [e for e in events if e.waited]
+    assert len(fetch_events) == st.fetches  # each fetch waited on once, write-backs never by compute
+    assert digests[0] == digests[1]
