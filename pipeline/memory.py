@@ -18,11 +18,15 @@ the op whose next use is furthest away, never one needed no later than the op be
 rules as :func:`pipeline.plan.residency.plan_residency`, online). An evicted op is copied back
 only when dirty: it took an optimizer step, or it has buffers (batch norm) and was used.
 
-Physics of the placement (``memory.optimizer``): the optimizer state travels with the op and is
-updated on the device, so a fetch or write-back of an fp32 op moves 4 bytes per parameter for
-the weights plus 4 (SGD momentum) or 8 (AdamW moments) for its state: 16 bytes each way with
-AdamW, against 4 for the weights alone. Gradients are not in the arena: autograd allocates them
-during the backward and the step frees them.
+Physics of the placement (``memory.optimizer``). ``device`` (the default): the optimizer state
+travels with the op and is updated on the device, so a fetch or write-back of an fp32 op moves
+4 bytes per parameter of weights plus 4 (SGD momentum) or 8 (AdamW moments) of state: 12 or 16
+bytes each way, but an op that stays resident across steps moves nothing. ``host``: the state
+stays in the host home and the host runs the update (:meth:`VirtualStore.to_host`): 4 bytes of
+weights per parameter go to the device and 4 of gradients come back, every step the op is used
+(the device copy is stale after the update), and the host's update time is on the critical
+path of a synchronous step. Gradients are not in the arena: autograd allocates them during the
+backward and the step frees them.
 """
 from __future__ import annotations
 
@@ -58,8 +62,10 @@ class MemoryStats:
     """Counters of the tensor manager (totals, or one step's deltas from ``release_step``).
 
     ``resident_bytes_peak``: most bytes of arena regions (resident ops and fetches in flight)
-    at any moment. ``hits``: uses whose op was resident before; ``late``: prefetched but still
-    in flight when needed; ``misses``: fetched on demand. ``stall_s``: time ``ensure`` waited."""
+    at any moment. ``hits``: uses whose op was resident before (fetched ahead and complete, or
+    kept from an earlier use); ``late``: prefetched but still in flight when needed;
+    ``misses``: fetched on demand. ``stall_s``: time ``ensure`` waited. ``written_back_bytes``:
+    device-to-host bytes (write-backs, and gradients with the host-updated optimizer)."""
 
     budget_bytes: int | None = None
     resident_bytes: int = 0
@@ -121,8 +127,13 @@ class _Op:
     """One owned op's placement."""
 
     def __init__(self, op_id: str, module: nn.Module, opt: torch.optim.Optimizer, layout: OpLayout,
-                 host: torch.Tensor) -> None:
+                 host: torch.Tensor, optim_on_host: bool = False) -> None:
         self.op_id, self.module, self.opt, self.layout, self.host = op_id, module, opt, layout, host
+        self.optim_on_host = optim_on_host
+        # bytes that go to the device: the whole layout, or (optimizer on the host) the
+        # weights and buffers, which come first in it
+        optim = [s.offset for s in layout.slots if s.kind == "optim"]
+        self.nbytes = optim[0] if optim_on_host and optim else layout.nbytes
         self.params = list(module.parameters())
         self.buffer_owner = {}
         for name, _ in module.named_buffers():
@@ -136,15 +147,12 @@ class _Op:
         self.settled = False  # every optimizer state slot is a view of where the op lives
         self.last_use = -1
 
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
     def point(self, buf: torch.Tensor, base: int) -> None:
-        """Make the module's tensors and its optimizer state views of ``buf`` from ``base``."""
+        """Make the module's tensors and its optimizer state views of ``buf`` from ``base``
+        (the optimizer state of an op updated on the host stays in its host home)."""
         settled = True
         for slot in self.layout.slots:
-            view = slot.view(buf, base)
+            view = slot.view(self.host, 0) if slot.kind == "optim" and self.optim_on_host else slot.view(buf, base)
             if slot.kind == "param":
                 self.params[slot.index].data = view
             elif slot.kind == "buffer":
@@ -169,7 +177,7 @@ class _Op:
             if t is None:
                 settled = False
                 continue
-            view = slot.view(buf, base)
+            view = slot.view(self.host, 0) if self.optim_on_host else slot.view(buf, base)
             if t.data_ptr() != view.data_ptr():
                 view.copy_(t)
                 st[slot.name] = view
@@ -184,6 +192,7 @@ class VirtualStore:
         self.settings = settings
         self.device = device
         self.state_keys = tuple(state_keys)
+        self.host_update = settings.optimizer == "host"
         self.align = alignment_for(device)
         self.arena = Arena(int(settings.device_budget_bytes), device, self.align)
         self.copier = make_copier(device)
@@ -208,12 +217,12 @@ class VirtualStore:
         """Give an op (module and optimizer on the host) a host home; ``state`` (flat, as
         exported) overrides its tensors."""
         layout = op_layout(module, self.state_keys, self.align)
-        if layout.nbytes > self.arena.capacity:
-            raise self._budget_error(f"op {op_id!r} alone", layout.nbytes)
         host = host_buffer(layout.nbytes, self.settings.host_memory, self.device)
         if layout.nbytes:
             host.zero_()
-        rec = _Op(op_id, module, opt, layout, host)
+        rec = _Op(op_id, module, opt, layout, host, self.host_update)
+        if rec.nbytes > self.arena.capacity:
+            raise self._budget_error(f"op {op_id!r} alone", rec.nbytes)
         params = rec.params
         with torch.no_grad():
             for slot in layout.slots:
@@ -242,7 +251,7 @@ class VirtualStore:
                     if t is not None:
                         slot.view(host).copy_(t)
         rec.point(host, 0)
-        if not layout.nbytes:  # nothing to place (an identity op): always resident
+        if not rec.nbytes:  # nothing to place (an identity op): always resident
             rec.state = RESIDENT
         self.ops[op_id] = rec
 
@@ -293,7 +302,7 @@ class VirtualStore:
     def ensure(self, op_ids: Collection[str]) -> None:
         """Pin ``op_ids`` for the current step and wait until they are resident."""
         need = [o for o in dict.fromkeys(op_ids) if o in self.ops]
-        fresh = [o for o in need if o not in self.pinned]
+        fresh = [o for o in need if o not in self.pinned or self.ops[o].state != RESIDENT]
         total = sum(self.ops[o].nbytes for o in set(self.pinned) | set(need))
         if total > self.arena.capacity:
             raise self._budget_error(f"the {len(set(self.pinned) | set(need))} ops needed at once", total)
@@ -338,6 +347,42 @@ class VirtualStore:
         rec.dirty = True
         if not rec.settled and rec.nbytes:
             rec.settle(self.arena.buffer, rec.offset)
+
+    def to_host(self, op_id: str) -> list[torch.Tensor | None]:
+        """Optimizer on the host: bring the op's gradients to host memory, write back its
+        buffers if they changed, and leave the device (the host update makes the device copy
+        stale). Returns the host gradients, in parameter order, for the caller to step with."""
+        rec = self.ops[op_id]
+        grads = []
+        for p in rec.params:
+            g = p.grad
+            if g is not None:
+                host_g = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.device.type == "cuda"
+                                     and self.settings.host_memory == "pinned")
+                host_g.copy_(g)  # synchronous: the update below reads it at once
+                self._totals["written_back_bytes"] += host_g.nbytes
+                g = host_g
+            grads.append(g)
+            p.grad = None  # the device gradient is freed; the caller sets the host one
+        if rec.nbytes and rec.state != HOST:
+            self._complete(rec)
+            if rec.dirty and rec.buffer_owner:
+                self._write_back(rec).synchronize()
+            rec.host_pending = None
+            rec.dirty = False
+            rec.point(rec.host, 0)
+            self.arena.free(op_id)
+            rec.state, rec.offset = HOST, -1
+            self._totals["evictions"] += 1
+        for s in (self.pinned, self.in_use, self.ahead):
+            s.discard(op_id)
+        return grads
+
+    def host_stepped(self, op_id: str) -> None:
+        """The op took its optimizer step on the host: new optimizer state moves into its home."""
+        rec = self.ops[op_id]
+        if not rec.settled:
+            rec.settle(rec.host, 0)
 
     def release_step(self, advance: bool = True) -> MemoryStats:
         """Unpin the step's ops, move the future on (``advance``) and keep prefetching; returns
@@ -448,7 +493,7 @@ class VirtualStore:
     def _start_fetch(self, rec: _Op, off: int) -> None:
         rec.offset = off
         rec.state = FETCHING
-        rec.fetch = self.copier.copy(self.arena.buffer[off : off + rec.nbytes], rec.host)
+        rec.fetch = self.copier.copy(self.arena.buffer[off : off + rec.nbytes], rec.host[: rec.nbytes])
         self.in_flight.append((rec, rec.fetch))
         self._totals["fetched_bytes"] += rec.nbytes
         self._totals["fetches"] += 1
@@ -466,7 +511,7 @@ class VirtualStore:
         rec.dirty = False
 
     def _write_back(self, rec: _Op) -> Handle:
-        h = self.copier.copy(rec.host, self.arena.buffer[rec.offset : rec.offset + rec.nbytes])
+        h = self.copier.copy(rec.host[: rec.nbytes], self.arena.buffer[rec.offset : rec.offset + rec.nbytes])
         rec.host_pending = h
         rec.dirty = False
         self.in_flight.append((rec, h))

@@ -12,8 +12,10 @@ used op) or ``on_demand`` (no prefetch: fetch synchronously when used, evict LRU
 ``max_in_flight``: copies in flight at once. ``activations``: the activation policy (``keep``,
 ``swap``, ``recompute``, ``auto``); carried for the activation planner, not used by the
 tensor manager. ``optimizer``: where the optimizer state lives and is updated: ``device``
-(it travels with the op: 16 bytes per fp32 parameter with AdamW each way, 4 for the weights
-alone), the only placement implemented so far.
+(it travels with the op and is updated on the device: an fp32 op with AdamW moves 16 bytes
+per parameter each way, weights and both moments) or ``host`` (it stays in the op's host
+home and the host updates it: 4 bytes of weights per parameter go to the device, 4 of
+gradients come back, and the device copy is stale after each step, so every use fetches).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZE
 HOST_MEMORY = ("pageable", "pinned", "shared")
 POLICIES = ("belady", "lru", "on_demand")
 ACTIVATIONS = ("keep", "swap", "recompute", "auto")
-OPTIMIZER_PLACEMENTS = ("device",)
+OPTIMIZER_PLACEMENTS = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,4 @@ class MemorySettings:
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"memory.activations: expected one of {list(ACTIVATIONS)}, found {self.activations!r}")
         if self.optimizer not in OPTIMIZER_PLACEMENTS:
-            raise ValueError(
-                f"memory.optimizer: expected one of {list(OPTIMIZER_PLACEMENTS)}, found {self.optimizer!r} "
-                "(the host-updated placement is not implemented)"
-            )
+            raise ValueError(f"memory.optimizer: expected one of {list(OPTIMIZER_PLACEMENTS)}, found {self.optimizer!r}")

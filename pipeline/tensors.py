@@ -246,12 +246,23 @@ class TensorManager:
     # -- training --------------------------------------------------------------------------
     def step(self, op_ids: Iterable[str], lr: float) -> None:
         """One optimizer step for each of ``op_ids`` (ops without gradients are left alone)."""
+        host_update = self._store is not None and self._store.host_update
         for op_id in op_ids:
             opt = self._optims[op_id]
             if self._store is not None:
                 self._store.use(op_id, mutates=False)
             for group in opt.param_groups:
                 group["lr"] = lr
+            if host_update:  # gradients to the host, the op leaves the device, the host updates it
+                params = [p for g in opt.param_groups for p in g["params"]]
+                grads = self._store.to_host(op_id)
+                if len(grads) == len(params):  # (an op without parameters has one placeholder)
+                    for p, g in zip(params, grads):
+                        p.grad = g
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                self._store.host_stepped(op_id)
+                continue
             stepped = self._store is not None and any(
                 p.grad is not None for g in opt.param_groups for p in g["params"])
             n_state = len(opt.state)
