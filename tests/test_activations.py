@@ -94,3 +94,20 @@ def test_infeasible_budget_names_the_shortfall() -> None:
         plan_activations([op], [], 1, 4, 1 << 22)
     with pytest.raises(ActivationError, match="allowed: expected"):
         plan_activations([op], [0], 1, 4, 1 << 22, allowed=("swap",))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_coarse_resolution_still_fits(seed: int) -> None:
+    rng = np.random.default_rng(500 + seed)
+    ops, inputs = random_ops(rng, int(rng.integers(2, 7)))
+    inputs = [x + int(rng.integers(0, 999)) for x in inputs]  # not multiples of the grain
+    F, M = int(rng.integers(3, 6)), 4
+    keep_all = activation_memory(ops, inputs, ["keep"] * len(ops), F)
+    budget = float(keep_all) * 0.6
+    try:
+        exact = plan_activations(ops, inputs, F, M, budget, 1e6, 0.0)
+    except ActivationError:
+        return
+    coarse = plan_activations(ops, inputs, F, M, budget, 1e6, 0.0, resolution=4096)
+    assert coarse.memory == activation_memory(ops, inputs, coarse.choices, F) <= budget
+    assert coarse.added_s >= exact.added_s - 1e-15

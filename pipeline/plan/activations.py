@@ -138,6 +138,7 @@ def plan_activations(
     overlap: float = 0.0,
     stage_input_bytes: int = 0,
     allowed: Sequence[str] = CHOICES,
+    resolution: int = 1,
 ) -> ActivationPlan:
     """The keep/swap/recompute choice per op whose activations fit ``budget`` at the least added time.
 
@@ -145,6 +146,9 @@ def plan_activations(
     micro-batch (0 for an op whose input is the stage input, kept anyway); ``in_flight_``: micro-
     batches the schedule holds on this stage; ``overlap``: seconds per step the host link is idle
     while the stage computes (swaps up to that hide). Ties go to keeping, then to swapping.
+    ``resolution`` (bytes): 1 is exact; a coarser grain (e.g. 1 MiB) rounds each op's memory and
+    swapped bytes up to it inside the search, which bounds the number of states on stages of many
+    ops (the plan still fits: its reported memory is exact and at most the rounded one).
     """
     _check(ops, input_bytes, in_flight_, num_microbatches, host_bandwidth, overlap, allowed)
     F, M = in_flight_, num_microbatches
@@ -157,43 +161,98 @@ def plan_activations(
             f"{budget:.0f} bytes ({budget / _MIB:.2f} MiB): short by {short} bytes ({short / _MIB:.2f} MiB). "
             "Hint: raise the device budget, use more stages or fewer micro-batches in flight (1F1B), or "
             "move the optimizer state to the host", short_by=short)
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
+        raise ActivationError(f"resolution: expected a positive int (bytes), found {resolution!r}")
     per_byte = M / host_bandwidth  # link seconds per swapped byte (each direction)
     order = {c: i for i, c in enumerate(CHOICES)}
+
+    def cost(ch: Sequence[str]) -> tuple[float, int, float]:
+        rec = sum(M * op.fwd for op, c in zip(ops, ch) if c == "recompute")
+        swap = sum(op.act_bytes for op, c in zip(ops, ch) if c == "swap")
+        return rec, swap, max(0.0, swap * per_byte - overlap)
+
+    # an upper bound on the optimum (a greedy plan) prunes the search
+    greedy = _greedy(ops, input_bytes, F, budget, stage_input_bytes, allowed, cost)
+    bound = math.inf if greedy is None else sum(cost(greedy)[::2]) * (1 + 1e-9) + 1e-15
     best = None
+    if greedy is not None:
+        rec, swap, exposed = cost(greedy)
+        best = ((rec + exposed, [order[c] for c in greedy]), greedy)
     for cap in _caps(ops, allowed):
         found = _pareto(ops, input_bytes, F, M, budget, F * stage_input_bytes + cap,
-                        [_allowed_under(cap, op, allowed) for op in ops], order)
-        for rec, mem, swap, ch in found:
-            exposed = max(0.0, swap * per_byte - overlap)
+                        [_allowed_under(cap, op, allowed) for op in ops], order, resolution,
+                        per_byte, overlap, bound)
+        for ch in found:
+            rec, swap, exposed = cost(ch)
             key = (rec + exposed, [order[c] for c in ch])
             if best is None or key < best[0]:
-                best = (key, rec, mem, swap, ch, exposed)
-    _, rec, mem, swap, ch, exposed = best
-    return ActivationPlan(tuple(op.op_id for op in ops), ch, mem, float(budget), rec, M * swap, exposed,
+                best = (key, ch)
+    ch = best[1]
+    rec, swap, exposed = cost(ch)
+    mem = activation_memory(ops, input_bytes, ch, F, stage_input_bytes)
+    return ActivationPlan(tuple(op.op_id for op in ops), tuple(ch), mem, float(budget), rec, M * swap, exposed,
                           rec + exposed)
 
 
-def _pareto(ops: Sequence[OpCost], input_bytes: Sequence[int], F: int, M: int, budget: float, base: int,
-            allowed: list[tuple[str, ...]], order: Mapping[str, int]) -> list[tuple[float, int, int, tuple[str, ...]]]:
-    """Every plan not beaten on all of recompute time, memory and swapped bytes (one per point).
+def _greedy(ops: Sequence[OpCost], input_bytes: Sequence[int], F: int, budget: float, stage_input_bytes: int,
+            allowed: Sequence[str], cost) -> tuple[str, ...] | None:
+    """A plan that fits, made by taking the change that saves the most bytes per added second
+    until the budget is met (None when this stops short)."""
+    ch = ["keep"] * len(ops)
+    mem = activation_memory(ops, input_bytes, ch, F, stage_input_bytes)
+    while mem > budget:
+        added = sum(cost(ch)[::2])
+        best = None
+        for k in range(len(ops)):
+            for c in allowed:
+                if c == ch[k]:
+                    continue
+                trial = ch[:k] + [c] + ch[k + 1:]
+                saved = mem - activation_memory(ops, input_bytes, trial, F, stage_input_bytes)
+                if saved <= 0:
+                    continue
+                score = saved / (sum(cost(trial)[::2]) - added + 1e-12)
+                if best is None or score > best[0]:
+                    best = (score, trial, mem - saved)
+        if best is None:
+            return None
+        _, ch, mem = best
+    return tuple(ch)
 
-    States are ``(recompute seconds, memory, swapped bytes per micro-batch, choices)``; ``rest[k]``
-    is the least memory ops k.. can still take, to drop states that cannot fit."""
+
+def _pareto(ops: Sequence[OpCost], input_bytes: Sequence[int], F: int, M: int, budget: float, base: int,
+            allowed: list[tuple[str, ...]], order: Mapping[str, int], resolution: int, per_byte: float,
+            overlap: float, bound: float) -> list[tuple[str, ...]]:
+    """The choices of every plan not beaten on all of recompute time, memory and swapped bytes.
+
+    States are ``(recompute seconds, memory, swapped bytes per micro-batch, choices)``, memory and
+    swapped bytes in units of ``resolution`` rounded up; ``rest[k]`` is the least memory ops k..
+    can still take, to drop states that cannot fit; states already dearer than ``bound`` go too."""
+    def units(b: int) -> int:
+        return -(-b // resolution)
+
+    mem_of = [{c: units(op_memory(c, op.act_bytes, x, F)) for c in allowed[k]}
+              for k, (op, x) in enumerate(zip(ops, input_bytes))]
+    cap_units = math.floor(budget / resolution)
     rest = [0] * (len(ops) + 1)
     for k in reversed(range(len(ops))):
-        rest[k] = rest[k + 1] + min(op_memory(c, ops[k].act_bytes, input_bytes[k], F) for c in allowed[k])
-    if base + rest[0] > budget:
+        rest[k] = rest[k + 1] + min(mem_of[k].values())
+    if units(base) + rest[0] > cap_units:
         return []
-    states: list[tuple[float, int, int, tuple[str, ...]]] = [(0.0, base, 0, ())]
-    for k, (op, x) in enumerate(zip(ops, input_bytes)):
+    states: list[tuple[float, int, int, tuple[str, ...]]] = [(0.0, units(base), 0, ())]
+    for k, op in enumerate(ops):
         grown = []
+        swap_units = units(op.act_bytes)
         for rec, mem, swap, ch in states:
             for c in allowed[k]:
-                m = mem + op_memory(c, op.act_bytes, x, F)
-                if m + rest[k + 1] > budget:
+                m = mem + mem_of[k][c]
+                if m + rest[k + 1] > cap_units:
                     continue
-                grown.append((rec + (M * op.fwd if c == "recompute" else 0.0), m,
-                              swap + (op.act_bytes if c == "swap" else 0), ch + (c,)))
+                r = rec + (M * op.fwd if c == "recompute" else 0.0)
+                a = swap + (swap_units if c == "swap" else 0)
+                if r + max(0.0, a * resolution * per_byte - overlap) > bound:
+                    continue
+                grown.append((r, m, a, ch + (c,)))
         # keep the states no other beats on all three; among equals the earliest in
         # (keep, swap, recompute) order, so ties go to keeping
         grown.sort(key=lambda s: (s[0], s[1], s[2], [order[c] for c in s[3]]))
@@ -211,7 +270,7 @@ def _pareto(ops: Sequence[OpCost], input_bytes: Sequence[int], F: int, M: int, b
                 j += 1
             front_mem[i:j] = [m]
             front_swap[i:j] = [a]
-    return states
+    return [st[3] for st in states]
 
 
 def stage_activation_plan(problem: PartitionProblem, bounds: Sequence[int], stage: int, budget: float,
