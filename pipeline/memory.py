@@ -30,6 +30,7 @@ backward and the step frees them.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Collection, Sequence
@@ -64,7 +65,8 @@ class MemoryStats:
     ``resident_bytes_peak``: most bytes of arena regions (resident ops and fetches in flight)
     at any moment. ``hits``: uses whose op was resident before (fetched ahead and complete, or
     kept from an earlier use); ``late``: prefetched but still in flight when needed;
-    ``misses``: fetched on demand. ``stall_s``: time ``ensure`` waited. ``written_back_bytes``:
+    ``misses``: fetched on demand. ``stall_s``: time ``ensure`` waited; ``busy_s``: host time in
+    the manager's calls (bookkeeping, issuing copies, and the stalls). ``written_back_bytes``:
     device-to-host bytes (write-backs, and gradients with the host-updated optimizer)."""
 
     budget_bytes: int | None = None
@@ -79,6 +81,7 @@ class MemoryStats:
     late: int = 0
     misses: int = 0
     stall_s: float = 0.0
+    busy_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -184,6 +187,24 @@ class _Op:
         self.settled = settled
 
 
+def _timed(fn):
+    """Count the host time of a public call in ``busy_s`` (nested calls once)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: VirtualStore, *args: Any, **kwargs: Any) -> Any:
+        if self._depth:
+            return fn(self, *args, **kwargs)
+        self._depth = 1
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._totals["busy_s"] += time.perf_counter() - t0
+            self._depth = 0
+
+    return wrapper
+
+
 class VirtualStore:
     """Host homes and a device arena for the ops of one process (see the module docstring)."""
 
@@ -206,7 +227,8 @@ class VirtualStore:
         self._blocked = False  # prefetch stopped at the in-flight limit: pump again later
         self._totals: dict[str, Any] = {f.name: 0 for f in fields(MemoryStats)
                                         if f.name not in ("budget_bytes", "resident_bytes", "resident_bytes_peak")}
-        self._totals["stall_s"] = 0.0
+        self._totals["stall_s"] = self._totals["busy_s"] = 0.0
+        self._depth = 0  # nesting of timed calls (only the outermost one counts)
         self._peak = 0
         self._step_peak = 0
         self._at_release = self.stats()
@@ -293,12 +315,14 @@ class VirtualStore:
         return {k: t.clone() for k, t in state.items()} if copy else state
 
     # -- the step's protocol -----------------------------------------------------------------
+    @_timed
     def prefetch(self, upcoming: Sequence[Collection[str]]) -> None:
         """Set the known future (op sets of the coming steps, the step about to run first) and
         start fetching it in the background as far as the budget allows."""
         self.future = [frozenset(s) for s in upcoming]
         self._pump()
 
+    @_timed
     def ensure(self, op_ids: Collection[str]) -> None:
         """Pin ``op_ids`` for the current step and wait until they are resident."""
         need = [o for o in dict.fromkeys(op_ids) if o in self.ops]
@@ -330,6 +354,7 @@ class VirtualStore:
         if waited:
             self._totals["stall_s"] += time.perf_counter() - t0
 
+    @_timed
     def use(self, op_id: str, mutates: bool) -> None:
         """The op is about to be used (forward, backward or step): resident, pinned, immovable."""
         if op_id not in self.pinned or self.ops[op_id].state != RESIDENT:
@@ -341,6 +366,7 @@ class VirtualStore:
         if self._blocked:
             self._pump()
 
+    @_timed
     def stepped(self, op_id: str) -> None:
         """The op took an optimizer step: its state changed (dirty) and new state moves in."""
         rec = self.ops[op_id]
@@ -348,6 +374,7 @@ class VirtualStore:
         if not rec.settled and rec.nbytes:
             rec.settle(self.arena.buffer, rec.offset)
 
+    @_timed
     def to_host(self, op_id: str) -> list[torch.Tensor | None]:
         """Optimizer on the host: bring the op's gradients to host memory, write back its
         buffers if they changed, and leave the device (the host update makes the device copy
@@ -378,12 +405,14 @@ class VirtualStore:
             s.discard(op_id)
         return grads
 
+    @_timed
     def host_stepped(self, op_id: str) -> None:
         """The op took its optimizer step on the host: new optimizer state moves into its home."""
         rec = self.ops[op_id]
         if not rec.settled:
             rec.settle(rec.host, 0)
 
+    @_timed
     def release_step(self, advance: bool = True) -> MemoryStats:
         """Unpin the step's ops, move the future on (``advance``) and keep prefetching; returns
         the counters of the step since the last release."""

@@ -338,7 +338,7 @@ def _memory_totals(engine: Engine) -> dict[str, Any] | None:
     return {"device_budget_bytes": m.budget_bytes, "resident_bytes_peak": m.resident_bytes_peak,
             "fetched_bytes": m.fetched_bytes, "written_back_bytes": m.written_back_bytes, "fetches": m.fetches,
             "write_backs": m.write_backs, "evictions": m.evictions, "hits": m.hits, "late": m.late,
-            "misses": m.misses, "hit_rate": m.hit_rate, "stall_s": round(m.stall_s, 6)}
+            "misses": m.misses, "hit_rate": m.hit_rate, "stall_s": round(m.stall_s, 6), "busy_s": round(m.busy_s, 6)}
 
 
 def _finite(x: float) -> float | None:
