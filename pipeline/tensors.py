@@ -24,7 +24,8 @@ from torch import nn
 
 from supernet import OpSlot, SupernetGraph, build_op
 
-from .memory import MemoryAudit, MemoryStats, VirtualStore, op_layout, optim_state_keys
+from .memory import MemoryAudit, MemoryStats, op_layout, optim_state_keys
+from .memory_store import VirtualStore
 from .memory_arena import alignment_for
 from .memory_settings import MemorySettings
 
