@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import fields
@@ -28,19 +29,21 @@ _MIB = float(2**20)
 
 
 def _timed(fn):
-    """Count the host time of a public call in ``busy_s`` (nested calls once)."""
+    """A public call: under the store's lock (the runtime may call from more than one thread),
+    its host time counted in ``busy_s`` (nested calls once)."""
 
     @functools.wraps(fn)
     def wrapper(self: VirtualStore, *args: Any, **kwargs: Any) -> Any:
-        if self._depth:
-            return fn(self, *args, **kwargs)
-        self._depth = 1
-        t0 = time.perf_counter()
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self._totals["busy_s"] += time.perf_counter() - t0
-            self._depth = 0
+        with self._lock:
+            if self._depth:
+                return fn(self, *args, **kwargs)
+            self._depth = 1
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                self._totals["busy_s"] += time.perf_counter() - t0
+                self._depth = 0
 
     return wrapper
 
@@ -69,11 +72,13 @@ class VirtualStore:
                                         if f.name not in ("budget_bytes", "resident_bytes", "resident_bytes_peak")}
         self._totals["stall_s"] = self._totals["busy_s"] = 0.0
         self._depth = 0  # nesting of timed calls (only the outermost one counts)
+        self._lock = threading.RLock()
         self._peak = 0
         self._step_peak = 0
         self._at_release = self.stats()
 
     # -- ownership -----------------------------------------------------------------------
+    @_timed
     def add(self, op_id: str, module: nn.Module, opt: torch.optim.Optimizer,
             state: dict[str, torch.Tensor] | None = None) -> None:
         """Give an op (module and optimizer on the host) a host home; ``state`` (flat, as
@@ -117,6 +122,7 @@ class VirtualStore:
             rec.state = RESIDENT
         self.ops[op_id] = rec
 
+    @_timed
     def remove(self, op_id: str) -> None:
         """Forget an op (after :meth:`export`); its arena region is freed."""
         rec = self.ops.pop(op_id)
@@ -126,6 +132,7 @@ class VirtualStore:
         for s in (self.pinned, self.in_use, self.ahead):
             s.discard(op_id)
 
+    @_timed
     def export(self, op_id: str, copy: bool = True) -> dict[str, torch.Tensor]:
         """The op's flat state as host tensors, from its host home brought up to date: copies
         (``copy``; a snapshot, and tensors that ``torch.save`` accepts) or views of the home
@@ -268,9 +275,11 @@ class VirtualStore:
         return step
 
     # -- figures ---------------------------------------------------------------------------
+    @_timed
     def stats(self) -> MemoryStats:
         return MemoryStats(self.arena.capacity, self.arena.used, self._peak, **self._totals)
 
+    @_timed
     def audit(self) -> MemoryAudit:
         arena_bytes, stray, regions = 0, [], self.arena.regions
         base = self.arena.buffer.data_ptr()
@@ -291,6 +300,7 @@ class VirtualStore:
         return MemoryAudit(self.arena.capacity, self.arena.used, arena_bytes,
                            sum(r.state == RESIDENT for r in self.ops.values()), tuple(stray))
 
+    @_timed
     def close(self) -> None:
         self._drain()
         self.copier.close()
