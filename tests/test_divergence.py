@@ -53,6 +53,7 @@ def test_cli_nonfinite_loss_exits_1_with_one_line(tmp_path: Path) -> None:
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: step 7: the loss is nan at micro-batch 1"), p.stderr
     assert "Traceback" not in p.stderr and "best arch" not in p.stdout
+    assert "\r" not in p.stderr and "step/s" not in p.stderr  # off a terminal: no progress-bar fragments
 
 
 @pytest.mark.xfail(reason="needs the engines' non-finite hook: no optimizer update on any rank when a "
