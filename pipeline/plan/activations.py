@@ -171,6 +171,8 @@ def plan_activations(
         swap = sum(op.act_bytes for op, c in zip(ops, ch) if c == "swap")
         return rec, swap, max(0.0, swap * per_byte - overlap)
 
+    cost.M, cost.per_byte, cost.overlap = M, per_byte, overlap
+
     # an upper bound on the optimum (a greedy plan) prunes the search
     greedy = _greedy(ops, input_bytes, F, budget, stage_input_bytes, allowed, cost)
     bound = math.inf if greedy is None else sum(cost(greedy)[::2]) * (1 + 1e-9) + 1e-15
@@ -187,6 +189,8 @@ def plan_activations(
             key = (rec + exposed, [order[c] for c in ch])
             if best is None or key < best[0]:
                 best = (key, ch)
+    if best is None:  # rounding up at this resolution lost the last feasible plans: search exactly
+        return plan_activations(ops, input_bytes, F, M, budget, host_bandwidth, overlap, stage_input_bytes, allowed)
     ch = best[1]
     rec, swap, exposed = cost(ch)
     mem = activation_memory(ops, input_bytes, ch, F, stage_input_bytes)
@@ -196,27 +200,36 @@ def plan_activations(
 
 def _greedy(ops: Sequence[OpCost], input_bytes: Sequence[int], F: int, budget: float, stage_input_bytes: int,
             allowed: Sequence[str], cost) -> tuple[str, ...] | None:
-    """A plan that fits, made by taking the change that saves the most bytes per added second
-    until the budget is met (None when this stops short)."""
+    """A plan that fits, made by changing kept ops one at a time, each time the change that saves
+    the most bytes per added second, until the budget is met (None when this stops short)."""
     ch = ["keep"] * len(ops)
     mem = activation_memory(ops, input_bytes, ch, F, stage_input_bytes)
+    transient = 0
+    rec, swap, _ = cost(ch)
+    per_byte, overlap = cost.per_byte, cost.overlap
     while mem > budget:
-        added = sum(cost(ch)[::2])
         best = None
-        for k in range(len(ops)):
+        for k, (op, x) in enumerate(zip(ops, input_bytes)):
+            if ch[k] != "keep":
+                continue
             for c in allowed:
-                if c == ch[k]:
+                if c == "keep":
                     continue
-                trial = ch[:k] + [c] + ch[k + 1:]
-                saved = mem - activation_memory(ops, input_bytes, trial, F, stage_input_bytes)
+                new_t = max(transient, op.act_bytes) if c == "recompute" else transient
+                saved = (F * op.act_bytes - op_memory(c, op.act_bytes, x, F)) - (new_t - transient)
                 if saved <= 0:
                     continue
-                score = saved / (sum(cost(trial)[::2]) - added + 1e-12)
+                r = rec + (cost.M * op.fwd if c == "recompute" else 0.0)
+                a = swap + (op.act_bytes if c == "swap" else 0)
+                extra = (r + max(0.0, a * per_byte - overlap)) - (rec + max(0.0, swap * per_byte - overlap))
+                score = saved / (extra + 1e-12)
                 if best is None or score > best[0]:
-                    best = (score, trial, mem - saved)
+                    best = (score, k, c, saved, new_t, r, a)
         if best is None:
             return None
-        _, ch, mem = best
+        _, k, c, saved, transient, rec, swap = best
+        ch[k] = c
+        mem -= saved
     return tuple(ch)
 
 

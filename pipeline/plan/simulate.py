@@ -175,7 +175,7 @@ def simulate(
     them the result is the same as before channels existed. Raises :class:`ScheduleError` for an
     invalid schedule and :class:`SimulationError` for costs of the wrong shape.
     """
-    validate(schedule)
+    _validate_once(schedule)
     P = schedule.num_stages
     fwd = _per("fwd_time", fwd_time, P, "stage")
     bwd = _per("bwd_time", bwd_time, P, "stage")
@@ -199,6 +199,20 @@ def simulate(
         peaks = (0,) * P  # nothing is kept for a backward
     memory = tuple(static[s] + peaks[s] * act[s] for s in range(P)) if with_memory else None
     return SimResult(step_time, busy, timeline, bubble, peaks, memory, **extra)
+
+
+_VALIDATED: dict[int, Schedule] = {}
+
+
+def _validate_once(schedule: Schedule) -> None:
+    """:func:`validate`, once per schedule object (schedules are frozen): a bench replaying
+    thousands of steps of one schedule would otherwise spend half its time re-checking it."""
+    if _VALIDATED.get(id(schedule)) is schedule:
+        return
+    validate(schedule)
+    if len(_VALIDATED) >= 64:
+        _VALIDATED.clear()
+    _VALIDATED[id(schedule)] = schedule  # holds the object, so its id is not reused meanwhile
 
 
 def _check_copies(schedule: Schedule, copies: Sequence[Copy], links: HostLinks | None) -> tuple[Copy, ...]:

@@ -1,0 +1,319 @@
+"""Issue 9: the virtualized tensor manager on NASPipe's space, simulated (mode ``simulate``).
+
+NASPipe's transformer space (48 choice layers x 24 candidates, width 1024: 3.23 billion
+parameters, 51.7 GB of fp32 weights + grads + AdamW moments) with analytic costs
+(``pipeline.plan.costs.analytic_costs``) for micro-batches of 8 sequences x 128 tokens, the cost
+source of ``bench/naspipe_planner.py`` (its ``SOURCES["analytic"]`` shapes and link), at a stated
+device rate: fp32 state with TF32 tensor-core math at an effective ``--flops`` (default 2e14
+FLOP/s: about 40 % of an H100 SXM's 495 TFLOP/s dense TF32) and ``--hbm`` (2e12 B/s). 1000
+subnets from a fixed seed, one per step, 1F1B, flushed per step.
+
+Per setting (P, over-subscription, optimizer placement, host link, tokens per step):
+
+* **Split**: the static split of the supernet's mean subnet (every subnet has the same 50 ops in
+  node order, so each layer lives on one stage and nothing migrates).
+* **Budget**: per stage ``supernet bytes / (over-subscription x P)`` (supernet bytes: 16 B per
+  parameter). Each stage gives it to the active ops' grads, to activations (all kept if that
+  leaves room for two steps' op state, else the least the activation plan needs) and the rest to
+  op state resident under the residency plan (``pipeline.plan.residency``).
+* **Optimizer placement** (``pipeline.plan.simulate``'s doc states the physics): ``device``: an
+  op travels with its AdamW moments, 12 B/param up per fetch and 12 B/param written back when a
+  changed op is evicted; ``host``: 4 B/param of weights up per use, 4 B/param of grads down after
+  the step's last backward, the host's AdamW update at ``--host-update`` params/s per stage (the
+  next use's fetch waits for it).
+* **Policies**, same run: ``all_resident`` (infinite memory: no copies, every activation kept),
+  ``on_demand`` (synchronous fetch at the step's start, LRU), ``lru`` and ``belady`` (prefetch of
+  the next step's ops during the current one, LRU or Belady eviction).
+* **Timing**: every step is replayed by ``pipeline.plan.simulate`` with the stage's per-micro-
+  batch forward/backward sums (plus the activation plan's recompute and exposed swap time), the
+  inter-stage link of ``SOURCES["analytic"]`` and the residency plan's copies on the per-stage
+  host channels; a fetch that is late for the stage's first forward is a stall. Channel backlogs
+  carry over to the next step.
+
+One JSON line per setting. A ``measure`` mode (real copies on a CUDA device, against the same
+figures) belongs beside ``simulate`` in :func:`main`; it is not written yet.
+
+    python bench/vtm.py [--subnets 1000] [--seed 0]   # ~10 min on one core
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._spawn import emit, progress  # noqa: E402
+from bench.naspipe_planner import SOURCES  # noqa: E402
+from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
+from pipeline.plan.costs import CostTable, analytic_costs, mean_problem  # noqa: E402
+from pipeline.plan.partition import solve  # noqa: E402
+from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
+from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
+from pipeline.plan.simulate import Copy, HostLinks, makespan, simulate  # noqa: E402
+from supernet.spaces import transformer  # noqa: E402
+
+SCHEDULE = "1f1b"
+POLICIES = ("on_demand", "lru", "belady")
+CFG = SOURCES["analytic"]
+
+
+@dataclass(frozen=True)
+class Space:
+    """The supernet, its cost table and the subnets, split into per-stage traces."""
+
+    graph: object
+    table: CostTable
+    archs: tuple
+    actives: tuple  # per subnet, its active ops (50, node order)
+
+
+def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: float) -> Space:
+    graph = transformer.build(input_shape=CFG["sample_shape"], num_classes=10, preset="naspipe", layers=48,
+                              width=CFG["width"])
+    table = analytic_costs(graph, CFG["sample_shape"], CFG["microbatch"], "adamw", flops_per_s=flops,
+                           bytes_per_s=hbm, overhead_s=overhead)
+    rng = random.Random(seed)
+    archs = tuple(graph.space().random(rng) for _ in range(subnets))
+    return Space(graph, table, archs, tuple(tuple(graph.active_ops(a)) for a in archs))
+
+
+def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
+                host_update: float, policies=POLICIES) -> dict:
+    """Simulate every policy over the subnets for one setting; the figures of one JSON line."""
+    table, n = space.table, len(space.actives)
+    ops = table.ops
+    link = CFG["link"]
+    bounds = solve(mean_problem(space.graph, table, num_stages=P, num_microbatches=M, schedule=SCHEDULE,
+                                bandwidth=link["bandwidth"], latency=link["latency_s"])).bounds
+    F = in_flight(SCHEDULE, P, M)
+    supernet_bytes = sum(4 * c.param_bytes for c in ops.values())  # weights, grads, 2 AdamW moments
+    budget = supernet_bytes / (oversub * P)
+    # per stage and subnet: op ids, and the sums the simulator needs
+    ids = [[tuple(a.op_id for a in act[bounds[s]:bounds[s + 1]]) for act in space.actives] for s in range(P)]
+    cut = [[table.out_bytes[act[bounds[s] - 1].node] if bounds[s] > 0 else table.out_bytes["input"]
+            for act in space.actives] for s in range(P)]
+    fwd = np.array([[sum(ops[o].fwd for o in ids[s][t]) for t in range(n)] for s in range(P)])
+    bwd = np.array([[sum(ops[o].bwd for o in ids[s][t]) for t in range(n)] for s in range(P)])
+    send_b = [table.out_bytes[space.actives[0][bounds[c + 1] - 1].node] for c in range(P - 1)]
+    send = [link["latency_s"] + b / link["bandwidth"] for b in send_b]
+    schedule = build_schedule(SCHEDULE, P, M)
+
+    # the device copy of an op's state and what a use moves (pipeline.plan.simulate's doc)
+    if placement == "device":
+        size = {o: c.param_bytes + c.optim_bytes for o, c in ops.items()}  # weights + 2 moments: 12 B/param
+    else:
+        size = {o: c.param_bytes for o, c in ops.items()}  # weights: 4 B/param
+    out: dict = {"budget_per_stage_GB": budget / 1e9, "bounds": list(bounds)}
+
+    # memory split per stage: grads of the active ops, activations, then op state
+    stages = []
+    for s in range(P):
+        grads = max(sum(ops[o].param_bytes for o in u) for u in ids[s])
+        state = [sum(size[o] for o in u) for u in ids[s]]
+        two_steps = max(a + b for a, b in zip(state, state[1:] + [0]))
+        inputs = [[0] + [table.out_bytes[space.actives[t][k - 1].node] for k in range(bounds[s] + 1, bounds[s + 1])]
+                  for t in range(n)]
+        keep = [F[s] * (sum(ops[o].act_bytes for o in ids[s][t]) + cut[s][t]) for t in range(n)]
+        floor = max(min_activation_memory([ops[o] for o in ids[s][t]], inputs[t], F[s], cut[s][t]) for t in range(n))
+        acts = max(min(max(keep), budget - grads - two_steps), floor)
+        resident = int(budget - grads - acts)
+        stages.append(dict(grads=grads, acts=acts, resident=resident, keep=keep, inputs=inputs, state=state,
+                           floor=floor, two_steps=two_steps))
+    out["stage_memory_GB"] = [{k: round(v / 1e9, 3) for k, v in st.items() if k in ("grads", "acts", "resident",
+                                                                                      "floor", "two_steps")}
+                              for st in stages]
+
+    # activation plans per stage and subnet (the same for every policy); the link time left to
+    # hide swaps is the stage's compute less its op traffic, at worst every op fetched
+    added = np.zeros((P, n))
+    swap_bytes = np.zeros((P, n))
+    recomputed = kept = 0
+    try:
+        for s, st in enumerate(stages):
+            for t in range(n):
+                if st["keep"][t] <= st["acts"]:
+                    kept += len(ids[s][t])
+                    continue
+                compute = M * (fwd[s, t] + bwd[s, t])
+                overlap = max(0.0, compute - st["state"][t] / link_bw)
+                plan = plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], F[s], M, st["acts"], link_bw,
+                                        overlap, cut[s][t], resolution=1 << 20)
+                added[s, t], swap_bytes[s, t] = plan.added_s, plan.swap_bytes
+                recomputed += plan.choices.count("recompute")
+                kept += plan.choices.count("keep")
+    except ActivationError as e:
+        return {**out, "infeasible": str(e), "short_by_bytes": e.short_by}
+    uses = n * 50
+    out["activations"] = {"kept_share": kept / uses, "recomputed_share": recomputed / uses,
+                          "swapped_share": 1 - (kept + recomputed) / uses,
+                          "added_ms_per_step_max_stage": 1e3 * float(added.max(axis=0).mean())}
+
+    # all-resident: infinite memory, no copies, every activation kept
+    base = sum(makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n))
+    out["all_resident"] = {"subnets_per_hour": 3600 * n / base, "step_ms": 1e3 * base / n}
+    for policy in policies:
+        try:
+            plans = [plan_residency(ids[s], size, stages[s]["resident"], policy, prefetch_depth=1,
+                                    reuse=placement == "device") for s in range(P)]
+        except ResidencyError as e:
+            out[policy] = {"infeasible": str(e), "short_by_bytes": e.short_by}
+            continue
+        out[policy] = _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd + added / M, send, swap_bytes,
+                              placement, link_bw, host_update)
+    for policy in policies:
+        if "subnets_per_hour" in out.get(policy, {}):
+            out[policy]["over_all_resident"] = out[policy]["subnets_per_hour"] / out["all_resident"]["subnets_per_hour"]
+            if "subnets_per_hour" in out.get("on_demand", {}):
+                out[policy]["over_on_demand"] = out[policy]["subnets_per_hour"] / out["on_demand"]["subnets_per_hour"]
+    return out
+
+
+def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes, placement, link_bw,
+            host_update) -> dict:
+    """Replay the steps with the residency plans' copies on the host channels."""
+    links = HostLinks((link_bw,) * P, (link_bw,) * P, (4 * host_update,) * P)  # host: param bytes/s
+    future = [next_use(ids[s]) for s in range(P)]
+    free = {"h2d": (0.0,) * P, "d2h": (0.0,) * P, "host": (0.0,) * P}
+    host_done: dict[str, float] = {}  # op -> absolute time its host update ends (placement "host")
+    clock = total = stall = 0.0
+    moved = {"h2d": 0.0, "d2h": 0.0}
+    stalls = []
+    for t in range(n):
+        copies: list[Copy] = []
+        for s in range(P):
+            st = plans[s].steps[t]
+            first, last = Action(s, "F", 0), Action(s, "B", M - 1)
+            if st.prefetched:  # fetched during the step before: the h2d backlog ends when they have landed
+                copies.append(Copy(s, "h2d", 0.0, before=first, label="prefetched"))
+            wb = {}
+            for op in st.writeback:  # changed ops evicted this step go home first
+                wb[op] = len(copies)
+                copies.append(Copy(s, "d2h", size[op], ready=0.0, label=f"writeback {op}"))
+            victims = dict(st.evicted_for)
+
+            def fetch(op: str, before: Action | None) -> Copy:
+                ready = host_done.get(op, -math.inf) - clock if placement == "host" else 0.0
+                return Copy(s, "h2d", size[op], ready=max(ready, 0.0) if before is None else ready, before=before,
+                            waits_for=tuple(wb[v] for v in victims.get(op, ()) if v in wb), label=op)
+
+            copies.extend(fetch(op, first) for op in st.misses)
+            if swap_bytes[s, t]:  # activations out during the forwards, back before the backwards
+                copies.append(Copy(s, "d2h", swap_bytes[s, t], ready=0.0, after=first, label="swap out"))
+                copies.append(Copy(s, "h2d", swap_bytes[s, t], ready=0.0, after=first, label="swap in"))
+            copies.extend(fetch(op, None) for op in st.prefetch)
+            if placement == "host":  # per op, soonest needed first: grads down after the last backward,
+                # then the host's update (the next use's fetch waits for it)
+                for op in sorted(ids[s][t], key=lambda o: (future[s].after(o, t + 1), o)):
+                    copies.append(Copy(s, "d2h", ops[op].param_bytes, after=last, label="grads"))
+                    copies.append(Copy(s, "host", ops[op].param_bytes, waits_for=(len(copies) - 1,), label=op))
+        links = HostLinks(links.h2d, links.d2h, links.host, free["h2d"], free["d2h"], free["host"])
+        r = simulate(schedule, fwd[:, t], bwd[:, t], send, copies=copies, links=links)
+        for cs in r.copies:
+            if cs.copy.channel in moved:
+                moved[cs.copy.channel] += cs.copy.nbytes
+            if cs.copy.channel == "host":
+                host_done[cs.copy.label] = clock + cs.end
+        stalls.append(max(r.stall))
+        stall += sum(r.stall)
+        free = {ch: tuple(f - r.step_time for f in r.free_at[ch]) for ch in r.free_at}
+        clock += r.step_time
+        total += r.step_time
+    plan_hits = sum(p.hits for p in plans)
+    plan_uses = sum(p.uses for p in plans)
+    return {
+        "subnets_per_hour": 3600 * n / total, "step_ms": 1e3 * total / n,
+        "hit_rate": plan_hits / plan_uses,
+        "prefetched_share": sum(p.prefetched for p in plans) / plan_uses,
+        "miss_share": sum(p.misses for p in plans) / plan_uses,
+        "MB_moved_per_subnet": {ch: v / n / 1e6 for ch, v in moved.items()},
+        "stall_ms_per_step_max_stage": 1e3 * float(np.mean(stalls)),
+        "stall_ms_per_step_all_stages": 1e3 * stall / n,
+        "peak_resident_GB": max(p.peak_bytes for p in plans) / 1e9,
+    }
+
+
+def hide_threshold(rows: list[dict], share: float = 0.02) -> list[dict]:
+    """Per (P, over-subscription, placement, link): the fewest tokens per step from which Belady's
+    stalls stay within ``share`` of the all-resident step at every larger size swept."""
+    out = []
+    keys = sorted({(r["P"], r["oversubscription"], r["placement"], r["host_link_GBps"]) for r in rows})
+    for key in keys:
+        pts = sorted((r["tokens_per_step"], r["belady"]["stall_ms_per_step_max_stage"] / r["all_resident"]["step_ms"],
+                      r["belady"]["over_all_resident"])
+                     for r in rows if (r["P"], r["oversubscription"], r["placement"], r["host_link_GBps"]) == key
+                     and "stall_ms_per_step_max_stage" in r.get("belady", {}))
+        hidden = None
+        for tokens, stall, _ in reversed(pts):
+            if stall > share:
+                break
+            hidden = tokens
+        out.append({"bench": "vtm_hide_threshold", "P": key[0], "oversubscription": key[1], "placement": key[2],
+                     "host_link_GBps": key[3], "stall_share_limit": share, "hidden_from_tokens_per_step": hidden,
+                     "sweep": [{"tokens_per_step": t, "stall_share": round(st, 4), "belady_over_all_resident": round(x, 4)}
+                               for t, st, x in pts]})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["simulate"], default="simulate",
+                    help="simulate (analytic costs; the only mode so far; a CUDA 'measure' mode goes beside it)")
+    ap.add_argument("--subnets", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--oversub", type=float, nargs="+", default=[4.0, 8.0])
+    ap.add_argument("--placements", nargs="+", default=["device", "host"], choices=["device", "host"])
+    ap.add_argument("--naspipe-microbatches", type=int, nargs="+", default=[8, 16],
+                    help="NASPipe's batch as bench/naspipe_planner.py runs it (micro-batches of 8 x 128 tokens): "
+                         "every policy, at every link")
+    ap.add_argument("--sweep-microbatches", type=int, nargs="+", default=[2, 4, 32],
+                    help="the rest of the tokens-per-step sweep: Belady and all-resident, first link only")
+    ap.add_argument("--links", type=float, nargs="+", default=[25e9, 12e9], help="host link bytes/s each way")
+    ap.add_argument("--flops", type=float, default=2e14)
+    ap.add_argument("--hbm", type=float, default=2e12)
+    ap.add_argument("--overhead", type=float, default=1e-5)
+    ap.add_argument("--host-update", type=float, default=1.5e9, help="host AdamW parameters/s per stage")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    space = build_space(args.subnets, args.seed, args.flops, args.hbm, args.overhead)
+    progress(f"cost table and {args.subnets} subnets in {time.perf_counter() - t0:.1f} s")
+    runs = []  # (P, oversub, placement, link, M, policies)
+    for link_bw in args.links:
+        first = link_bw == args.links[0]
+        for M in sorted(set(args.naspipe_microbatches) | (set(args.sweep_microbatches) if first else set())):
+            nas = M in args.naspipe_microbatches
+            policies = POLICIES if nas and first else ("on_demand", "belady") if nas else ("belady",)
+            runs += [(P, o, pl, link_bw, M, policies) for P in args.stages for o in args.oversub
+                     for pl in args.placements]
+    rows = []
+    for P, oversub, placement, link_bw, M, policies in runs:
+        t1 = time.perf_counter()
+        res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies)
+        b = res.get("belady", {})
+        progress(f"P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: {time.perf_counter() - t1:.1f} s, "
+                 f"belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "
+                 f"/on-demand {b.get('over_on_demand', float('nan')):.3f}")
+        rows.append({
+            "bench": "vtm", "mode": args.mode, "P": P, "M": M,
+            "tokens_per_step": M * CFG["microbatch"] * CFG["sample_shape"][0],
+            "naspipe_batch": M in args.naspipe_microbatches,
+            "oversubscription": oversub, "placement": placement, "host_link_GBps": link_bw / 1e9,
+            "flops_per_s": args.flops, "hbm_bytes_per_s": args.hbm, "overhead_s": args.overhead,
+            "host_update_params_per_s": args.host_update, "subnets": args.subnets, "seed": args.seed,
+            "schedule": SCHEDULE, **res,
+            "baseline": "all_resident (infinite memory), on_demand and lru, same run",
+        })
+    rows += hide_threshold([r for r in rows if r["host_link_GBps"] == args.links[0] / 1e9])
+    progress(f"total {time.perf_counter() - t0:.0f} s")
+    emit("vtm", rows)
+
+
+if __name__ == "__main__":
+    main()
