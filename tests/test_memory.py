@@ -378,3 +378,82 @@ def test_the_store_waits_for_every_fetch_through_cuda_handles(fake_cuda: list, n
     fetch_events = [e for e in events if e.waited]
     assert len(fetch_events) == st.fetches  # each fetch waited on once, write-backs never by compute
     assert digests[0] == digests[1]
+
+
+# -- eviction and prefetch decisions ---------------------------------------------------------
+
+def four_equal_ops() -> SupernetGraph:
+    g = SupernetGraph("four")
+    g.add_choice("l0", {k: OpSpec.of("mlp", d=8, hidden=16) for k in "abcd"}, ["input"])
+    return g
+
+
+def manager(policy: str, ops: int, **kw) -> TensorManager:
+    g = four_equal_ops()
+    one = TensorManager(g, 0, optim_of("sgd")).footprint(["l0/a"])
+    return TensorManager(g, 0, optim_of("sgd"), own=[f"l0/{k}" for k in "abcd"],
+                         memory=MemorySettings(device_budget_bytes=ops * one, policy=policy, **kw))
+
+
+def resident(tm: TensorManager) -> set[str]:
+    tm._store._drain()
+    return {o for o, r in tm._store.ops.items() if r.state == "resident"}
+
+
+def test_belady_evicts_the_op_needed_last_and_never_one_needed_sooner() -> None:
+    """Room for two equal ops; a and b resident (a used first); next come c, a, b."""
+    evicted: dict[str, list[str]] = {}
+    for policy in ("belady", "lru"):
+        tm = manager(policy, ops=2)
+        log = evicted[policy] = []
+        real = tm._store._evict
+        tm._store._evict = lambda rec, real=real, log=log: (log.append(rec.op_id), real(rec))[1]
+        tm.ensure(["l0/a", "l0/b"])
+        tm.release_step()
+        tm.prefetch([{"l0/c"}, {"l0/a"}, {"l0/b"}])
+        tm.ensure(["l0/c"])
+        tm.release_step()
+        tm.ensure(["l0/a"])
+        tm.release_step()
+        assert tm.stats().misses == 2  # the first step's a and b: every later use was fetched ahead
+        tm.close()
+    # Belady: b (needed last) makes room for c; b comes back once c is done, in c's place. a,
+    # needed sooner than b, is never evicted.
+    assert evicted["belady"] == ["l0/b", "l0/c"]
+    # LRU evicts a (used first) for c, then b (used less recently than c) to fetch a back, then
+    # c for b: one eviction, and one fetch, more.
+    assert evicted["lru"] == ["l0/a", "l0/b", "l0/c"]
+
+
+class _NeverDone:
+    """A copy engine whose copies stay in flight until waited on."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        self.issued += 1
+        dst.copy_(src)
+
+        class H:
+            def wait(self) -> None: ...
+            synchronize = wait
+
+            def done(self) -> bool:
+                return False
+
+        return H()
+
+    def close(self) -> None: ...
+
+
+def test_prefetch_keeps_at_most_max_in_flight_copies_outstanding() -> None:
+    tm = manager("belady", ops=4, max_in_flight=2, prefetch_depth=3)
+    tm._store.copier = copier = _NeverDone()
+    tm.prefetch([{"l0/a"}, {"l0/b"}, {"l0/c"}, {"l0/d"}])
+    assert copier.issued == 2 and len(tm._store.in_flight) == 2
+    tm.ensure(["l0/a"])  # a's copy completes (waited on); b's is still outstanding
+    assert copier.issued == 2
+    tm.ensure(["l0/c"])  # not fetched ahead: a demand fetch is never held back by the cap
+    assert copier.issued == 3 and tm.stats().misses == 1
+    tm.close()
