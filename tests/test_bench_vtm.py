@@ -1,0 +1,50 @@
+"""The tensor-manager benchmark's accounting on NASPipe's space (simulated: no clocks asserted)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.vtm import build_space, hide_threshold, run_setting  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def space():
+    return build_space(30, 0, 2e14, 2e12, 1e-5)
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_policies_against_all_resident(space, placement: str) -> None:
+    r = run_setting(space, 4, 8, 4.0, placement, 25e9, 1.5e9)
+    base = r["all_resident"]["subnets_per_hour"]
+    for policy in ("on_demand", "lru", "belady"):
+        p = r[policy]
+        assert p["subnets_per_hour"] <= base * (1 + 1e-9)  # infinite memory is never slower
+        assert p["hit_rate"] + p["prefetched_share"] + p["miss_share"] == pytest.approx(1.0)
+        assert p["peak_resident_GB"] * 1e9 <= max(st["resident"] for st in r["stage_memory_GB"]) * 1e9 + 1e6
+    # prefetching from the known future never loses to fetching on demand
+    assert r["belady"]["subnets_per_hour"] >= r["on_demand"]["subnets_per_hour"]
+    assert r["on_demand"]["prefetched_share"] == 0.0
+    if placement == "device":
+        # Belady keeps more of what comes back, so it moves fewer bytes than LRU
+        assert r["belady"]["hit_rate"] >= r["lru"]["hit_rate"]
+        assert r["belady"]["MB_moved_per_subnet"]["h2d"] <= r["lru"]["MB_moved_per_subnet"]["h2d"]
+    else:
+        # a device copy is stale once the host has updated it: every use fetches the weights
+        assert r["belady"]["hit_rate"] == 0.0
+    # the memory split never exceeds the stage budget
+    for st in r["stage_memory_GB"]:
+        assert st["grads"] + st["acts"] + st["resident"] <= r["budget_per_stage_GB"] + 1e-3
+
+
+def test_hide_threshold_reads_the_sweep(space) -> None:
+    rows = [dict(P=4, oversubscription=4.0, placement="device", host_link_GBps=25.0, tokens_per_step=1024 * M,
+                 **run_setting(space, 4, M, 4.0, "device", 25e9, 1.5e9, ("belady",))) for M in (1, 8)]
+    (th,) = hide_threshold(rows, share=0.05)
+    assert [p["tokens_per_step"] for p in th["sweep"]] == [1024, 8192]
+    assert th["hidden_from_tokens_per_step"] in (1024, 8192, None)
+    if th["sweep"][0]["stall_share"] > 0.05:
+        assert th["hidden_from_tokens_per_step"] != 1024
