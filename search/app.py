@@ -207,19 +207,19 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
            losses: list[float], digest: str, tdigest: str, rlog: logging.LoggerAdapter,
            keep_previous: bool = True) -> Any:
     """Train from step ``start``; checkpoints on the way and at the end. Returns the final op
-    states (main rank; ``None`` elsewhere). ``keep_previous=False``: the latest checkpoint is unreadable, so the first save
-    replaces it instead of keeping it as the previous one."""
+    states (main rank; ``None`` elsewhere). ``keep_previous=False``: the latest checkpoint is
+    unreadable, so the first save replaces it instead of keeping it as the previous one."""
     t = rc.train
     schedule = t.schedule()
-    keep = [keep_previous]
-    last_saved = [start]
+    last_saved = start
 
     def checkpoint(step: int) -> Any:
+        nonlocal keep_previous, last_saved
         states = engine.op_states()  # collective: every rank takes part, the main rank gets them
         if engine.is_main:
             save_checkpoint(out / CHECKPOINT_NAME, Checkpoint(step, states, sampler.state_dict(), tdigest, digest),
-                            keep_previous=keep[0])
-        keep[0], last_saved[0] = True, step
+                            keep_previous=keep_previous)
+        keep_previous, last_saved = True, step
         return states
 
     skipped = 0
@@ -250,8 +250,8 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
                 where = (f"step {step}: the loss is {res.microbatch_losses[bad]} at micro-batch {bad} of arch "
                          f"{json.dumps(dict(arch), sort_keys=True)}")
                 if t.nonfinite == "stop":
-                    saved = (f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {last_saved[0]})"
-                             if last_saved[0] > 0 else "no checkpoint was written")
+                    saved = (f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {last_saved})"
+                             if last_saved > 0 else "no checkpoint was written")
                     raise NonFiniteLoss(
                         f"{where}; stopped (train.nonfinite=stop); {saved}. Hint: lower train.optimizer.lr or "
                         "add train.warmup_steps, or train.nonfinite=skip to skip such steps", step)
