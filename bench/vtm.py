@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
-from pipeline.plan.costs import CostTable, analytic_costs, mean_problem  # noqa: E402
-from pipeline.plan.partition import solve  # noqa: E402
+from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
+from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
 from pipeline.plan.simulate import Copy, HostLinks, makespan, simulate  # noqa: E402
@@ -126,6 +126,15 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
         resident = int(budget - grads - acts)
         stages.append(dict(grads=grads, acts=acts, resident=resident, keep=keep, inputs=inputs, state=state,
                            floor=floor, two_steps=two_steps))
+    # the partitioner's memory model of the tensor manager (pipeline.plan.partition.ManagedMemory)
+    # on the same split: active ops' state + grads, the least activation memory, a step's op
+    # state reserved for prefetching
+    mm = ManagedMemory(placement, "auto", reserve=tuple(float(max(st["state"])) for st in stages))
+    short = [max(0.0, max(m - budget for m in evaluate(subnet_problem(
+        space.graph, act, table, P, M, SCHEDULE, link["bandwidth"], link["latency_s"], (budget,) * P, mm),
+        bounds).stage_memory)) for act in space.actives]
+    out["partitioner_managed_model"] = {"fits_share": sum(x == 0 for x in short) / n,
+                                        "worst_short_MB": max(short) / 1e6}
     out["stage_memory_GB"] = [{k: round(v / 1e9, 3) for k, v in st.items() if k in ("grads", "acts", "resident",
                                                                                       "floor", "two_steps")}
                               for st in stages]
@@ -273,7 +282,7 @@ def main() -> None:
     ap.add_argument("--naspipe-microbatches", type=int, nargs="+", default=[8, 16],
                     help="NASPipe's batch as bench/naspipe_planner.py runs it (micro-batches of 8 x 128 tokens): "
                          "every policy, at every link")
-    ap.add_argument("--sweep-microbatches", type=int, nargs="+", default=[2, 4, 32],
+    ap.add_argument("--sweep-microbatches", type=int, nargs="*", default=[2, 4, 32],
                     help="the rest of the tokens-per-step sweep: Belady and all-resident, first link only")
     ap.add_argument("--links", type=float, nargs="+", default=[25e9, 12e9], help="host link bytes/s each way")
     ap.add_argument("--flops", type=float, default=2e14)
