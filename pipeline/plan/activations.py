@@ -23,7 +23,8 @@ recomputed ops run their backwards one at a time). The model is conservative whe
 input is also the previous op's kept output (counted twice). :func:`plan_activations` finds the
 plan of least added time within the budget exactly: for each cap on the recomputed ``a`` it runs
 a dynamic programme over the ops keeping the Pareto front of memory, swapped bytes and recompute
-time (tests check it against enumeration). A budget below :func:`min_activation_memory` raises
+time, pruned by the cost of a greedy plan (tests check it against enumeration; ``resolution``
+trades exactness for speed). A budget below :func:`min_activation_memory` raises
 :class:`ActivationError` with the shortfall.
 """
 from __future__ import annotations
