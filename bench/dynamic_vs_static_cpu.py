@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import (  # noqa: E402
-    OUT, QUIET, contention, emit, measure_interference, measure_link, measured_step, progress, spawn, time_migrations,
+    OUT, QUIET, contention, emit, measure_interference, measure_link, measured_step, progress, spawn,
 )
 
 SPACES = {
@@ -146,7 +146,7 @@ def worker(spec: dict, rank: int, world: int) -> dict:
     for M in spec["microbatches"]:
         table = shared_profile(graph, sample, batch // M, "sgd", rank, world, "cpu", repeats=15,
                                use_cache=spec["cached_profile"])
-        engines, boxes = {}, {}
+        engines = {}
         for label, planner, eps in spec["planners"]:
             objective = "minmax" if label.startswith("dynamic_minmax") else "step"
             engines[label] = PipelineEngine(
@@ -155,8 +155,6 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                                  link_bandwidth=bandwidth, link_latency_s=latency, objective=objective,
                                  migration_overhead_s=spec["migration_overhead_s"]),
                 DistEnv(rank, world, rank), torch.device("cpu"), costs=table)
-            boxes[label] = [0.0]
-            time_migrations(engines[label], boxes[label])
         steps: dict[str, list] = {label: [] for label in engines}
         # profile check without the pipeline: rank 0 alone runs the same step in one process
         reference = ReferenceEngine(graph, spec["seed"], optim, M, lr, "cpu") if rank == 0 else None
@@ -169,8 +167,8 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                 engine = engines[label]
                 # the planner exists once the first step made it; step 0 is a warm-up anyway
                 pred = _predict(engine, engine.plan(arch), table, engine.schedule, latency, bandwidth) \
-                    if engine.planner is not None else None
-                r, ranks = measured_step(engine, step, arch, x, y, archs[step + 1 : step + 3], boxes[label])
+                    if engine.planner.planner is not None else None
+                r, ranks = measured_step(engine, step, arch, x, y, archs[step + 1 : step + 3])
                 steps[label].append({"loss": r.loss, "ranks": ranks, "pred": pred})
             if reference is not None and step % spec["profile_check_every"] == 0:
                 t0, c0 = time.perf_counter(), time.process_time()

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import (  # noqa: E402
-    QUIET, contention, emit, measure_link, measured_step, progress, spawn, time_migrations,
+    QUIET, contention, emit, measure_link, measured_step, progress, spawn,
 )
 
 SPACE = dict(layers=8, width=256, candidates=["attn2", "ffn2", "conv3", "identity"])
@@ -87,13 +87,11 @@ def worker(spec: dict, rank: int, world: int) -> dict:
                                     link_bandwidth=bandwidth, link_latency_s=latency)
         engine = PipelineEngine(graph, spec["seed"], optim, M, lr, settings, DistEnv(rank, world, rank),
                                 torch.device("cpu"), costs=costs)
-        mig = [0.0]
-        time_migrations(engine, mig)
         refs = {th: ReferenceEngine(graph, spec["seed"], optim, M, lr, "cpu") for th in (1, 2)} if rank == 0 else {}
         steps = []
         for step, arch in enumerate(archs):
             x, y = _data(spec["seed"], step)
-            r, ranks = measured_step(engine, step, arch, x, y, archs[step + 1 : step + 3], mig)
+            r, ranks = measured_step(engine, step, arch, x, y, archs[step + 1 : step + 3])
             row = {"loss": r.loss, "ranks": ranks}
             for th, ref in refs.items():
                 torch.set_num_threads(th)

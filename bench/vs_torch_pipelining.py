@@ -88,6 +88,7 @@ def worker(spec: dict, rank: int, world: int) -> dict:
         settings = PipelineSettings(schedule=schedule, planner="dynamic", timeout_s=120.0)
         ours = PipelineEngine(graph, spec["seed"], optim, M, lr, settings, DistEnv(rank, world, rank),
                               torch.device("cpu"))
+        ours.plan_ahead([arch, arch])  # as the app does: the sampler's lookahead
         ours.train_step(0, arch, x, y)  # fixes the cut; the subnet never changes after this
         bounds = ours.stats.bounds
         sl = ours.plan(arch).slices[rank]
@@ -110,6 +111,7 @@ def worker(spec: dict, rank: int, world: int) -> dict:
             opt.zero_grad(set_to_none=True)
 
         def run_ours() -> None:
+            ours.plan_ahead([arch, arch])
             ours.train_step(step_no[0], arch, x, y)
             step_no[0] += 1
 

@@ -1,59 +1,58 @@
 """The pipelined engine: one process per stage, a new partition and live migration per subnet.
 
-Every rank runs the same program on the same data: it samples the same arch, builds the same
-cost problem and plans the same partition (pure code, no messages), then cheaply checks that
-all ranks agree (one all-reduce of an arch/plan hash). Ops that the new partition places
-elsewhere migrate point-to-point with their optimizer state. Then each rank walks its own
-action list of the schedule (``1F0``, ``1B0``, ...) running its slice of the subnet with the
-same per-op executor as the reference, receives its inputs and sends its outputs, and steps
-the optimizer for the ops it owns. Gradients accumulate in ascending micro-batch order on
-every stage, exactly as in the reference, so the result is bit-identical.
+Every rank runs the same program on the same data and never asks another rank what to do. The
+engine ties four parts together, one concern each:
 
-Failures: every phase runs under :class:`pipeline.failures.FailureReporter`, which turns any
-exception into a :class:`StageFailure` naming rank, step and action. Every wait on another rank
+* :class:`pipeline.lookahead.LookaheadPlanner`: the plan of each step (pure code, no
+  messages), the plans made ahead from the sampler's lookahead and what crosses each cut;
+* :class:`pipeline.migration.Migrator`: ops whose stage changes move with their optimizer
+  state, now or during the step before;
+* :class:`pipeline.stage.StageExecutor`: this rank's actions of the schedule (receive,
+  compute, send), payload-only messages with receives posted ahead;
+* the agreement check: all ranks planned the same subnet and partition. For a plan made ahead
+  its all-reduce runs during the step before, on a group of its own, and is only read at the
+  step's start, before anything of the step moves: no round trip on the critical path.
+
+Gradients accumulate in ascending micro-batch order on every stage, exactly as in the
+reference, so the result is bit-identical. Every phase runs under
+:class:`pipeline.failures.FailureReporter` (rank, step and action of any failure) and every wait
 has a timeout: no hang.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classification_loss, cut, loss_and_grad
+from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classification_loss
 
-from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
-from .plan.partition import Partition
-from .plan.planners import StaticPlanner, make_planner
-from .plan.placement import Move, initial_owners, moves, stages_of
+from .failures import FailureReporter, StageFailure, parse_fault
+from .lookahead import LookaheadPlanner, Plan
+from .migration import Migrator
+from .plan.costs import CostTable
+from .plan.placement import initial_owners
 from .plan.schedule import Schedule, build as build_schedule, forward_only, validate
 from .settings import DistEnv, PipelineSettings
+from .stage import StageExecutor
 from .tensors import OptimConfig, TensorManager
-from .failures import FailureReporter, StageFailure, parse_fault
+from .trace import Span, Tracer
 from .transport import Transport
 
-__all__ = ["PipelineEngine", "StageFailure", "Plan"]
+__all__ = ["PipelineEngine", "StageFailure", "Plan", "AgreementError"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Where one subnet runs: its partition and each stage's slice."""
-
-    arch: Arch
-    partition: Partition
-    slices: tuple[Slice, ...]
-    digest: int
+class AgreementError(RuntimeError):
+    """The ranks planned different subnets or partitions."""
 
 
 @dataclass
@@ -65,6 +64,8 @@ class StepStats:
     max_in_flight: int = 0
     migrated_ops: int = 0
     migrated_bytes: int = 0
+    migration_s: float = 0.0  # the migration on the critical path
+    wait_s: float = 0.0  # waiting for the schedule's messages
     plan_s: float = 0.0  # planning time on the critical path (near zero when planned ahead)
     early_migrated_ops: int = 0  # ops that moved during the previous step, off the critical path
     planned_ahead: bool = False
@@ -74,9 +75,8 @@ class StepStats:
 class PipelineEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                  settings: PipelineSettings, env: DistEnv, device: torch.device,
-                 failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None) -> None:
-        # ``costs``: the table to plan with (e.g. pipeline.profile.shared_profile); every rank
-        # must pass the same one. None: the analytic model at the first batch's shape.
+                 failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None,
+                 trace_steps: Iterable[int] = ()) -> None:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
@@ -93,32 +93,30 @@ class PipelineEngine:
                 self.device = device = torch.device("cuda", env.local_rank)
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=settings.timeout_s))
-        self.transport = Transport(self.rank, self.device, settings.timeout_s)
-        # Ops that the next step needs elsewhere and this step does not use migrate during this
-        # step, on a group of their own so their messages never interleave with the schedule's.
-        self._early_transport = (Transport(self.rank, self.device, settings.timeout_s, group=dist.new_group())
-                                 if env.world_size > 1 else None)
-        self._early_job: Future | None = None
-        self._early_moves: list[Move] = []
-        self._early_states: dict[str, dict[str, torch.Tensor]] = {}
-        self._early_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-migrate")
-        self._committed: Plan | None = None
+        timeout = settings.timeout_s
+        many = env.world_size > 1
+        # Separate groups are separate channels: migration, gathers and evaluation (default
+        # group), the schedule's payload-only messages, moves ahead, and the agreement check.
+        self.transport = Transport(self.rank, self.device, timeout)
+        self._schedule_transport = Transport(self.rank, self.device, timeout, group=dist.new_group()) if many else self.transport
+        early = Transport(self.rank, self.device, timeout, group=dist.new_group()) if many else None
+        self._agree_group = dist.new_group() if many else None
+        self._agreeing: tuple[dist.Work, torch.Tensor, Plan] | None = None
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, microbatches)
         validate(self.schedule)
-        self.planner = None  # built with the cost table (the static planner needs it)
         self.owners = initial_owners(graph.slots(), self.num_stages)
         self.tensors = TensorManager(graph, seed, optim, self.device,
                                      own=[op for op, s in self.owners.items() if s == self.rank])
-        self.costs: CostTable | None = costs
         self.stats = StepStats()
         fd = failure_dir if failure_dir is not None else os.environ.get("PIPENAS_FAILURE_DIR")
         self.failures = FailureReporter(self.rank, self.schedule, Path(fd) if fd else None,
                                         parse_fault(os.environ.get("PIPENAS_FAULT")))
-        self._upcoming: list[Arch] = []
-        self._ahead: dict[tuple, Plan] = {}
-        self._ahead_job: Future | None = None
-        self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-plan")
-        self._step = -1
+        self.tracer = Tracer(self.rank, trace_steps)
+        self.planner = LookaheadPlanner(graph, seed, self.num_stages, microbatches, settings, costs,
+                                        can_move_early=early is not None, optim_name=optim.name)
+        self.migrator = Migrator(self.rank, self.owners, self.tensors, self.transport, early)
+        self.stage = StageExecutor(self.rank, self.schedule, self._schedule_transport, self.failures, self.tracer,
+                                   self.device, seed)
         self._last_arch: Arch | None = None  # the subnet of the last training step
 
     @property
@@ -129,235 +127,114 @@ class PipelineEngine:
     def last(self) -> int:
         return self.num_stages - 1
 
+    @property
+    def costs(self) -> CostTable | None:
+        return self.planner.costs
+
     # -- planning --------------------------------------------------------------------------
-    def _ensure_costs(self, x: torch.Tensor, microbatch: int) -> None:
-        if self.costs is None:
-            self.costs = analytic_costs(self.graph, tuple(x.shape[1:]), microbatch, self.optim.name)
-        if self.planner is None:
-            self.planner = self._make_planner()
-
-    def _make_planner(self):
-        name = self.settings.planner
-        if name == "dynamic":
-            return make_planner(name, eps=self.settings.eps, objective=self.settings.objective,
-                                move_latency=self.settings.link_latency_s + self.settings.migration_overhead_s)
-        if name == "static":
-            return StaticPlanner.from_problem(mean_problem(
-                self.graph, self.costs, num_stages=self.num_stages, num_microbatches=self.microbatches,
-                schedule=self.settings.schedule, bandwidth=self.settings.link_bandwidth,
-                latency=self.settings.link_latency_s, memory_budget=self.settings.budgets(self.num_stages)))
-        return make_planner(name)
-
-    def _problem(self, active):
-        return subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches,
-                              self.settings.schedule, self.settings.link_bandwidth, self.settings.link_latency_s,
-                              self.settings.budgets(self.num_stages))
-
-    def _plan_with(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
-        """``before``: the subnet of the step before this one (None: none). Its ops cannot move
-        early, the others can (when there is a second stage to move them to)."""
-        active = self.graph.active_ops(arch)
-        previous = {op.op_id: owners[op.op_id] for op in active}
-        busy = (frozenset(op.op_id for op in self.graph.active_ops(before))
-                if before is not None and self._early_transport is not None else None)
-        part = self.planner.plan(self._problem(active), previous, busy)
-        h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
-        return Plan(arch, part, cut(active, part.bounds, self.graph.output), int.from_bytes(h[:7], "little"))
-
-    def _key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
-        # A plan depends only on the arch, on where its active ops sit now and on the step before.
-        return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
-
-    def _planned(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
-        """The plan made ahead for this arch, placement and step before, else a fresh one."""
-        return self._ahead.get(self._key(arch, owners, before)) or self._plan_with(arch, owners, before)
-
     def plan(self, arch: Arch) -> Plan:
-        """The partition of ``arch`` given where ops sit now (pure: no messages, no side
-        effects): the plan whose early moves are under way if it is for ``arch``, else a plan
-        made ahead for this placement, else a fresh one."""
-        if self._ahead_job is not None:
-            self._ahead_job.result()  # started a step ago: done by now; re-raises its error if any
-            self._ahead_job = None
-        if self._committed is not None and self._committed.arch == arch:
-            return self._committed
-        return self._planned(arch, self.owners, self._last_arch)
+        """The partition of ``arch`` given where ops sit now (pure: no messages, no side effects)."""
+        return self.planner.plan(arch, self.owners, self._last_arch)
 
-    def _take_plan(self, arch: Arch) -> Plan:
-        """:meth:`plan`, then forget the plans that were made for this step."""
+    def plan_ahead(self, archs: Sequence[Arch]) -> None:
+        """The subnets that follow the next ``train_step``'s (the sampler's lookahead): planned
+        in the background while that step computes. A hint only: the result is the same either way."""
+        self.planner.set_upcoming(archs)
+
+    def _take_plan(self, step: int, arch: Arch, checked: Plan | None) -> Plan:
         t0 = time.perf_counter()
-        key = self._key(arch, self.owners, self._last_arch)
-        self.stats.planned_ahead = ((self._committed is not None and self._committed.arch == arch)
-                                    or key in self._ahead)
-        plan = self.plan(arch)
-        self._committed = None
-        self._ahead.pop(key, None)
+        with self.tracer.span(step, "plan", "plan"):
+            plan, ahead = self.planner.take(arch, self.owners, self._last_arch)
+            self._agree(plan, checked)
+        self.stats.planned_ahead = ahead
         self.stats.plan_s = time.perf_counter() - t0
         self.stats.bounds = plan.partition.bounds
         return plan
 
-    def plan_ahead(self, archs: Sequence[Arch]) -> None:
-        """The subnets that follow the next ``train_step``'s (the sampler's lookahead). Once that
-        step's migration has fixed where ops sit, they are planned in a background thread while
-        the step computes, so planning stays off the critical path. A hint only: a plan that was
-        not made ahead is made when needed, and the result is the same either way."""
-        self._upcoming = list(archs)
+    # -- agreement -------------------------------------------------------------------------
+    def _post_agreement(self, plan: Plan) -> None:
+        """Start the check of a plan made ahead; read at the start of the step that uses it."""
+        if self.settings.check_agreement and self._agree_group is not None:
+            t = torch.tensor([plan.digest, -plan.digest], dtype=torch.int64, device=self.device)
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group, async_op=True)
+            self._agreeing = (work, t, plan)
 
-    def _start_planning_ahead(self) -> None:
-        if not self._upcoming or self.planner is None:
-            return
-        archs, owners, self._upcoming = self._upcoming, dict(self.owners), []
-        self._ahead = {}
-        nxt, before = self._committed, self._last_arch
-        if nxt is not None and nxt.arch == archs[0]:
-            # The next plan was made already (to start its early moves): chain on from it.
-            owners.update(stages_of([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds))
-            archs, before = archs[1:], nxt.arch
+    def _read_agreement(self) -> Plan | None:
+        """Finish the check started a step ago (raises if the ranks disagreed); the plan it checked."""
+        if self._agreeing is None:
+            return None
+        (work, t, plan), self._agreeing = self._agreeing, None
+        if work.wait(self.transport.timeout) is False:
+            raise AgreementError(f"the agreement check got no answer within {self.settings.timeout_s:g} s")
+        self._compare(t, plan)
+        return plan
 
-        def chain() -> None:
-            prior = before
-            for arch in archs:
-                key = self._key(arch, owners, prior)
-                plan = self._plan_with(arch, owners, prior)
-                self._ahead[key] = plan
-                active = [op for sl in plan.slices for op in sl.ops]
-                owners.update(stages_of(active, plan.partition.bounds))
-                prior = arch
-
-        self._ahead_job = self._ahead_pool.submit(chain)
-
-    def _agree(self, plan: Plan) -> None:
-        if not self.settings.check_agreement or self.world_size == 1:
+    def _agree(self, plan: Plan, checked: Plan | None) -> None:
+        """Check ``plan`` now unless the check started a step ago (``checked``) covered it."""
+        if not self.settings.check_agreement or self._agree_group is None or (
+                checked is not None and checked.digest == plan.digest):
             return
         t = torch.tensor([plan.digest, -plan.digest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != plan.digest or int(t[1]) != -plan.digest:
-            raise RuntimeError(
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
+        self._compare(t, plan)
+
+    def _compare(self, t: torch.Tensor, plan: Plan) -> None:
+        hi, neg_lo = t.tolist()
+        if hi != plan.digest or -neg_lo != plan.digest:
+            raise AgreementError(
                 f"ranks disagree on the subnet or its partition (this rank: arch {plan.arch.digest()}, "
                 f"bounds {list(plan.partition.bounds)}); every rank must sample the same arch stream "
                 "and use the same cost profile"
             )
 
     # -- migration -------------------------------------------------------------------------
-    def _migrate(self, plan: Plan) -> list[Move]:
-        """Move each op whose stage changed, with its optimizer state, point to point."""
-        todo = moves([op for sl in plan.slices for op in sl.ops], plan.partition.bounds, self.owners)
-        sent_bytes = 0
-        for mv in todo:
-            if mv.src == self.rank:
-                sent_bytes += self.transport.send_state(mv.op_id, self.tensors.export(mv.op_id), mv.dst)
-            elif mv.dst == self.rank:
-                self.tensors.adopt(mv.op_id, self.transport.recv_state(mv.op_id, mv.src))
-            self.owners[mv.op_id] = mv.dst
-        self.transport.flush()
-        self.stats.migrated_ops = len(todo)
-        self.stats.migrated_bytes = sent_bytes
-        return todo
+    def _migrate(self, step: int, plan: Plan) -> None:
+        t0 = time.perf_counter()
+        with self.tracer.span(step, "migrate", "migrate"):
+            moved = self.migrator.now(plan.active, plan.partition.bounds)
+        self.stats.migrated_ops, self.stats.migrated_bytes = moved.ops, moved.bytes
+        self.stats.migration_s = time.perf_counter() - t0
 
-    def _start_early_moves(self, current: Plan) -> None:
-        """Start moving, in the background, the ops the next subnet needs elsewhere that this
-        step does not use (their state cannot change before the next step)."""
-        if self._early_transport is None or not self._upcoming:
-            return
-        # as a rule made ahead a step ago, in the background (plan() waited for that chain)
-        nxt = self._planned(self._upcoming[0], self.owners, current.arch)
-        busy = {op.op_id for sl in current.slices for op in sl.ops}
-        early = [mv for mv in moves([op for sl in nxt.slices for op in sl.ops], nxt.partition.bounds, self.owners)
-                 if mv.op_id not in busy]
-        self._committed = nxt
-        if not early:
-            return
-        outgoing = {mv.op_id: self.tensors.export(mv.op_id) for mv in early if mv.src == self.rank}
-        transport, rank = self._early_transport, self.rank
-
-        def run() -> dict[str, dict[str, torch.Tensor]]:
-            received = {}
-            for mv in early:
-                if mv.src == rank:
-                    transport.send_state(mv.op_id, outgoing[mv.op_id], mv.dst)
-                elif mv.dst == rank:
-                    received[mv.op_id] = transport.recv_state(mv.op_id, mv.src)
-            transport.flush()
-            return received
-
-        self._early_moves = early
-        self._early_job = self._early_pool.submit(run)
-
-    def _settle_early_moves(self) -> int:
-        """Finish the background moves: adopt what arrived; every rank updates the owners."""
-        if self._early_job is None:
-            return 0
-        job, self._early_job = self._early_job, None
-        received = job.result()  # re-raises a failed transfer
-        for mv in self._early_moves:
-            if mv.dst == self.rank:
-                self.tensors.adopt(mv.op_id, received[mv.op_id])
-            self.owners[mv.op_id] = mv.dst
-        n, self._early_moves = len(self._early_moves), []
-        return n
+    def _prepare_next(self, current: Plan) -> None:
+        """Fix the next step's plan (made ahead a step ago, in the background), start its check
+        and the moves that can go now, and plan the subnets after it."""
+        upcoming = self.planner.upcoming
+        if upcoming and self.migrator.early_transport is not None:
+            nxt = self.planner.planned(upcoming[0], self.owners, current.arch)
+            self.planner.committed = nxt
+            self._post_agreement(nxt)
+            self.migrator.start_ahead(nxt.active, nxt.partition.bounds, (op.op_id for op in current.active))
+        self.planner.start_ahead(self.owners, self._last_arch)
 
     # -- training --------------------------------------------------------------------------
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()
         batch = x.shape[0]
         mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
-        with self.failures.failing(step, "migrate-ahead"):
-            early = self._settle_early_moves()
         with self.failures.failing(step, "plan"):
-            self._ensure_costs(x, batch // self.microbatches)
-            plan = self._take_plan(arch)
-            self._agree(plan)
+            checked = self._read_agreement()  # before the moves made ahead settle
+        with self.failures.failing(step, "migrate-ahead"), self.tracer.span(step, "settle moves", "migrate-ahead"):
+            early = self.migrator.settle()
+        with self.failures.failing(step, "plan"):
+            self.planner.ensure(x, batch // self.microbatches, training=True)
+            plan = self._take_plan(step, arch, checked)
         with self.failures.failing(step, "migrate"):
-            self._migrate(plan)
+            self._migrate(step, plan)
             self._last_arch = arch
             self.stats.early_migrated_ops = early
-            self._start_early_moves(plan)
-            self._start_planning_ahead()
+            self._prepare_next(plan)
         mine = plan.slices[self.rank]
-        runs: dict[int, SliceRun] = {}
-        head_grads: dict[int, list] = {}
-        losses = torch.zeros(self.microbatches, dtype=torch.float64)
-        busy, peak = 0.0, 0
-        for action in self.schedule.actions[self.rank]:
-            with self.failures.failing(step, action):
-                m = action.microbatch
-                if action.kind == "F":
-                    inputs = [mbs[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
-                    a0 = time.perf_counter()
-                    run = SliceRun(mine, self.tensors.module, _ctx(self.seed, step, m, True))
-                    outs = run.forward(inputs)
-                    runs[m] = run
-                    peak = max(peak, len(runs))
-                    if self.rank == self.last:
-                        loss, g = loss_and_grad(outs[0], mbs[m][1], batch)
-                        losses[m] = loss.item()
-                        head_grads[m] = [g]
-                    busy += time.perf_counter() - a0
-                    if self.rank != self.last:
-                        self.transport.send(outs, self.rank + 1)
-                else:
-                    grads = head_grads.pop(m) if self.rank == self.last else self.transport.recv(self.rank + 1)[0]
-                    a0 = time.perf_counter()
-                    in_grads = runs.pop(m).backward(grads)
-                    busy += time.perf_counter() - a0
-                    if self.rank != 0:
-                        self.transport.send(in_grads, self.rank - 1)
-        with self.failures.failing(step, "optimizer"):
-            self.transport.flush()
+        losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, self.tensors.module)
+        with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
             a0 = time.perf_counter()
             self.tensors.step([op.op_id for op in mine.ops], self.lr(step))
-            busy += time.perf_counter() - a0
-            if self.last != 0:
-                if self.rank == self.last:
-                    self.transport.send([losses], 0)
-                    self.transport.flush()
-                elif self.rank == 0:
-                    losses = self.transport.recv(self.last)[0][0]
+            opt_s = time.perf_counter() - a0
         wall = time.perf_counter() - t0
-        self.stats.wall_s, self.stats.busy_s, self.stats.max_in_flight = wall, busy, peak
-        mb_losses = tuple(float(v) for v in losses.tolist()) if self.is_main else ()
+        st = self.stats
+        st.wall_s, st.busy_s, st.max_in_flight, st.wait_s = wall, run.busy_s + opt_s, run.max_in_flight, run.wait_s
+        mb_losses = tuple(losses.tolist()) if self.is_main else ()  # the step's one host read
         return StepResult(step, arch, float(sum(mb_losses)) if self.is_main else float("nan"), mb_losses, wall,
-                          self.stats.migrated_ops + self.stats.early_migrated_ops, self.stats.migrated_bytes)
+                          st.migrated_ops + st.early_migrated_ops, st.migrated_bytes)
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -367,36 +244,36 @@ class PipelineEngine:
         calib = [(x.to(self.device), y) for x, y in calib_batches] if graph_has_batchnorm(self.graph) else []
         if not batches:
             return EvalResult(float("nan"), 0, 0)
-        with self.failures.failing(-1, "migrate-ahead"):
-            self._settle_early_moves()
         with self.failures.failing(-1, "plan"):
-            self._ensure_costs(batches[0][0], batches[0][0].shape[0])
-            plan = self._take_plan(arch)
-            self._agree(plan)
+            checked = self._read_agreement()
+        with self.failures.failing(-1, "migrate-ahead"):
+            self.migrator.settle()
+        with self.failures.failing(-1, "plan"):
+            self.planner.ensure(batches[0][0], batches[0][0].shape[0], training=False)
+            plan = self._take_plan(-1, arch, checked)
         with self.failures.failing(-1, "migrate"):
-            self._migrate(plan)
+            self._migrate(-1, plan)
         mine = plan.slices[self.rank]
-        totals = torch.zeros(3, dtype=torch.float64)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         with recalibrated_bn([self.tensors.module(op.op_id) for op in mine.ops] if calib else []):
             self._forward_stream(mine, calib, True, None)
 
             def score(out: torch.Tensor, y: torch.Tensor) -> None:
-                totals[0] += classification_loss(out, y, 1).item()
-                totals[1] += int((out.argmax(-1) == y).sum())
-                totals[2] += int(y.shape[0])
+                totals[0] += classification_loss(out, y, 1)
+                totals[1] += (out.argmax(-1) == y).sum()
+                totals[2] += y.shape[0]
 
             self._forward_stream(mine, batches, False, score)
         with self.failures.failing(-1, "result"):
-            totals = totals.to(self.device)
             dist.broadcast(totals, src=self.last)
         loss_sum, correct, total = totals.cpu().tolist()
         return EvalResult(loss_sum / max(total, 1), int(correct), int(total))
 
     def _forward_stream(self, mine: Slice, batches: list, training: bool, on_output) -> None:
-        schedule = forward_only(self.num_stages, len(batches)) if batches else None
-        if schedule is None:
+        """Forward-only micro-batches through the stages (evaluation; messages describe themselves)."""
+        if not batches:
             return
-        for action in schedule.actions[self.rank]:
+        for action in forward_only(self.num_stages, len(batches)).actions[self.rank]:
             with self.failures.failing(-1, action):
                 m = action.microbatch
                 inputs = [batches[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
@@ -412,7 +289,7 @@ class PipelineEngine:
     def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Gather every op's flat state on rank 0 (collective)."""
         with self.failures.failing(-1, "gather"):
-            self._settle_early_moves()
+            self.migrator.settle()
             out: dict[str, dict[str, torch.Tensor]] = {}
             for op_id in sorted(self.owners):
                 owner = self.owners[op_id]
@@ -429,20 +306,28 @@ class PipelineEngine:
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Replace the state of the ops this rank owns with ``states`` (every rank passes all)."""
-        self._settle_early_moves()
+        self.migrator.settle()
         for op_id in self.tensors.owned():
             self.tensors.export(op_id)
             self.tensors.adopt(op_id, states[op_id])
 
+    def trace_spans(self) -> list[Span] | None:
+        """Every rank's recorded spans on rank 0 (collective); None on the others."""
+        with self.failures.failing(-1, "trace"):
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, self.tracer.spans)
+        return [sp for spans in gathered for sp in spans] if self.rank == 0 else None
+
     def close(self) -> None:
         """Orderly teardown: after a clean run all ranks meet at a barrier before the process
         group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
-        self._ahead_pool.shutdown(wait=not self.failures.failed, cancel_futures=True)
-        if not self.failures.failed:
-            self._settle_early_moves()
-        self._early_pool.shutdown(wait=not self.failures.failed, cancel_futures=True)
+        ok = not self.failures.failed
+        self.planner.close(wait=ok)
+        if ok and self._agreeing is not None:
+            self._read_agreement()
+        self.migrator.close(wait=ok)
         if dist.is_initialized():
-            if not self.failures.failed:
+            if ok:
                 dist.barrier()
             dist.destroy_process_group()
 

@@ -1,6 +1,17 @@
-"""Point-to-point transport of tensor lists whose shapes change from subnet to subnet.
+"""Point-to-point transport of tensor lists: payload-only for the schedule, self-describing for the rest.
 
-A message is a list of tensors (``None`` allowed: "no gradient flows here") plus optional
+**Payload only** (the schedule's activations and gradients): both sides know every tensor's
+shape, dtype and ``None`` entries ahead (:mod:`pipeline.wire`), so a message is its buffers
+alone. ``post_recv`` allocates the buffers and posts the receives at once (before the data is
+needed, so it arrives while the stage computes); ``send_payload`` posts the sends and keeps
+them alive, waiting only when more than ``max_pending`` are outstanding or at ``flush``. On
+NCCL, whose point-to-point operations between a pair run in order on one stream, a receive
+posted ahead goes in one batch with the sends posted beside it (``exchange``), as torch's
+pipelining does, so neither side can wait on a receive queued in front of the send that
+would answer it.
+
+**Self-describing** (migration, gathers, evaluation, and plans whose shapes could not be
+inferred): a message is a list of tensors (``None`` allowed: "no gradient flows here") plus optional
 bytes of metadata. It travels as a fixed-size int64 header (count, dtypes, shapes, metadata
 length, packing), an overflow header when the first is too small, the metadata bytes, and then
 the payload: one contiguous buffer per tensor, each received into its own fresh allocation (so
@@ -21,7 +32,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport", "TransportError", "PeerError"]
+from .wire import TensorSpec
+
+__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError"]
 
 _HEADER = 64
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -41,13 +54,71 @@ class PeerError(TransportError):
         self.peer = peer
 
 
+class PostedRecv:
+    """Buffers whose receives are posted; ``wait`` returns them once they have arrived."""
+
+    def __init__(self, transport: Transport, src: int, out: list[torch.Tensor | None], works: list[dist.Work]) -> None:
+        self._transport, self.src, self._out, self._works = transport, src, out, works
+
+    def wait(self) -> list[torch.Tensor | None]:
+        works, self._works = self._works, []
+        for work in works:
+            self._transport._wait(work, "receiving from", self.src)
+        return self._out
+
+
 class Transport:
-    def __init__(self, rank: int, device: torch.device, timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, rank: int, device: torch.device, timeout_s: float, group: dist.ProcessGroup | None = None,
+                 max_pending: int = 64) -> None:
         self.rank = rank
         self.group = group  # None: the default group; a separate group is a separate channel
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.max_pending = max_pending
         self._pending: list[tuple[dist.Work, int, torch.Tensor]] = []
+        # NCCL runs a pair's point-to-point operations in order on one stream: batch them
+        self.batched = dist.is_initialized() and dist.get_backend(group) == "nccl"
+
+    # -- payload only ----------------------------------------------------------------------
+    def post_recv(self, src: int, specs: Sequence[TensorSpec | None]) -> PostedRecv:
+        """Allocate one buffer per tensor of ``specs`` and post its receive now."""
+        return self.exchange((), (src, specs))
+
+    def send_payload(self, tensors: Sequence[torch.Tensor | None], dst: int) -> None:
+        """Post the sends of ``tensors`` (``None`` entries carry nothing) without waiting."""
+        self.exchange(((tensors, dst),), None)
+
+    def exchange(self, sends: Sequence[tuple[Sequence[torch.Tensor | None], int]],
+                 recv: tuple[int, Sequence[TensorSpec | None]] | None) -> PostedRecv | None:
+        """Post payload sends and (optionally) one payload receive together: one batch on NCCL,
+        one after another on gloo. Returns the receive's handle."""
+        ops: list[tuple] = []  # (isend or irecv, tensor, peer)
+        buffers: list[tuple[torch.Tensor, int]] = []
+        for tensors, dst in sends:
+            for t in tensors:
+                if t is not None:
+                    t = t.detach().contiguous()
+                    ops.append((dist.isend, t, dst))
+                    buffers.append((t, dst))
+        out: list[torch.Tensor | None] = []
+        n_sends = len(ops)
+        if recv is not None:
+            src, specs = recv
+            for sp in specs:
+                buf = None if sp is None else torch.empty(sp.shape, dtype=sp.dtype, device=self.device)
+                out.append(buf)
+                if buf is not None:
+                    ops.append((dist.irecv, buf, src))
+        if self.batched and ops:
+            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group=self.group) for fn, t, peer in ops])
+        else:
+            works = [fn(t, peer, group=self.group) for fn, t, peer in ops]
+        for work, (buf, dst) in zip(works[:n_sends], buffers):
+            self._pending.append((work, dst, buf))
+        while len(self._pending) > self.max_pending:  # bounded: wait for the oldest
+            work, dst, _ = self._pending.pop(0)
+            self._wait(work, "sending to", dst)
+        return PostedRecv(self, recv[0], out, list(works[n_sends:])) if recv is not None else None
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor | None], dst: int, meta: bytes = b"", pack: bool = False) -> int:

@@ -77,6 +77,8 @@ class OpContext:
     training: bool
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        if torch.device(device).type == "meta":  # shape inference: meta tensors take a CPU generator
+            device = "cpu"
         g = torch.Generator(device=device)
         g.manual_seed(derive_seed(self.seed, self.step, self.microbatch, self.op_id))
         return g

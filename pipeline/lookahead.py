@@ -1,0 +1,200 @@
+"""The lookahead planner: the plan of each step, the plans made ahead, and their cache.
+
+A plan depends only on the arch, on where its active ops sit and on the subnet of the step
+before (whose ops cannot move early), so every rank computes the same plan without messages.
+From the sampler's lookahead, the next subnets are planned in a background thread while the
+current step computes, wire specs (:mod:`pipeline.wire`) included; a plan not made ahead is
+made when needed, and the result is the same either way.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from supernet import Arch, Slice, SupernetGraph, build_op, cut
+
+from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
+from .plan.partition import Partition
+from .plan.placement import stages_of
+from .plan.planners import StaticPlanner, make_planner
+from .settings import PipelineSettings
+from .wire import MetaModules, WireSpecs, wire_specs
+
+__all__ = ["Plan", "LookaheadPlanner"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where one subnet runs: its partition, each stage's slice, and what crosses each cut
+    for micro-batches of shape ``sample`` (``wires``; None: not known, messages describe
+    themselves)."""
+
+    arch: Arch
+    partition: Partition
+    slices: tuple[Slice, ...]
+    digest: int
+    sample: tuple[tuple[int, ...], torch.dtype] | None = None
+    wires: WireSpecs | None = None
+
+    @property
+    def active(self) -> list:
+        return [op for sl in self.slices for op in sl.ops]
+
+
+class LookaheadPlanner:
+    def __init__(self, graph: SupernetGraph, seed: int, num_stages: int, microbatches: int,
+                 settings: PipelineSettings, costs: CostTable | None, can_move_early: bool, optim_name: str) -> None:
+        # ``costs``: the table to plan with (every rank the same); None: the analytic model at
+        # the first batch's shape, with ``optim_name``'s optimizer state in the memory model
+        self.graph, self.seed, self.num_stages, self.microbatches = graph, seed, num_stages, microbatches
+        self.optim_name = optim_name
+        self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
+        self.planner = None
+        self.sample: tuple[tuple[int, ...], torch.dtype] | None = None  # one training micro-batch
+        specs = {slot.op_id: slot.spec for slot in graph.slots()}
+        self._meta = MetaModules(lambda op_id: build_op(specs[op_id], op_id, seed, seeded=False))
+        self._upcoming: list[Arch] = []
+        self._ahead: dict[tuple, Plan] = {}
+        self._job: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-plan")
+        self.committed: Plan | None = None  # the next step's plan, fixed early (its moves are under way)
+        # plans and wire specs are pure functions of their keys: memoised (a subnet that comes
+        # back with the same placement costs neither a solve nor a dry run)
+        self._memo: OrderedDict[tuple, Plan] = OrderedDict()
+        self._wires: OrderedDict[tuple, WireSpecs | None] = OrderedDict()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def ensure(self, x: torch.Tensor, microbatch: int, training: bool) -> None:
+        """Costs and planner from the first batch; the training micro-batch's shape."""
+        if self.costs is None:
+            self.costs = analytic_costs(self.graph, tuple(x.shape[1:]), microbatch, self.optim_name)
+        if self.planner is None:
+            self.planner = self._make_planner()
+        if training:
+            self.sample = ((microbatch, *x.shape[1:]), x.dtype)
+
+    def _make_planner(self):
+        s = self.settings
+        if s.planner == "dynamic":
+            return make_planner("dynamic", eps=s.eps, objective=s.objective,
+                                move_latency=s.link_latency_s + s.migration_overhead_s)
+        if s.planner == "static":
+            return StaticPlanner.from_problem(mean_problem(
+                self.graph, self.costs, num_stages=self.num_stages, num_microbatches=self.microbatches,
+                schedule=s.schedule, bandwidth=s.link_bandwidth, latency=s.link_latency_s,
+                memory_budget=s.budgets(self.num_stages)))
+        return make_planner(s.planner)
+
+    # -- plans -----------------------------------------------------------------------------
+    def plan_with(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
+        """The plan (pure; memoised). ``before``: the subnet of the step before (its ops cannot move early)."""
+        key = self.key(arch, owners, before)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = _remember(self._memo, key, self._solve(arch, owners, before))
+        return self.with_wires(hit)
+
+    def _solve(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
+        s = self.settings
+        active = self.graph.active_ops(arch)
+        previous = {op.op_id: owners[op.op_id] for op in active}
+        busy = (frozenset(op.op_id for op in self.graph.active_ops(before))
+                if before is not None and self.can_move_early else None)
+        problem = subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches, s.schedule,
+                                 s.link_bandwidth, s.link_latency_s, s.budgets(self.num_stages))
+        part = self.planner.plan(problem, previous, busy)
+        h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
+        slices = cut(active, part.bounds, self.graph.output)
+        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"))
+
+    def with_wires(self, plan: Plan) -> Plan:
+        """``plan`` with the wire specs of the current training micro-batch shape."""
+        if self.sample is None or plan.sample == self.sample:
+            return plan
+        key = (plan.arch, plan.partition.bounds, self.sample)
+        if key in self._wires:
+            wires = self._wires[key]
+        else:
+            shape, dtype = self.sample
+            wires = wire_specs(plan.slices, self._meta, shape, dtype, self.seed) if self.num_stages > 1 else None
+            _remember(self._wires, key, wires)
+        return Plan(plan.arch, plan.partition, plan.slices, plan.digest, self.sample, wires)
+
+    def key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
+        return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
+
+    def planned(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
+        """The plan made ahead for this arch, placement and step before, else a fresh one."""
+        hit = self._ahead.get(self.key(arch, owners, before))
+        return self.with_wires(hit) if hit is not None else self.plan_with(arch, owners, before)
+
+    def plan(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
+        """The committed next plan if it is for ``arch``, else a plan made ahead, else a fresh one."""
+        self.join()
+        if self.committed is not None and self.committed.arch == arch:
+            return self.with_wires(self.committed)
+        return self.planned(arch, owners, before)
+
+    def take(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple[Plan, bool]:
+        """:meth:`plan`, then forget the plans made for this step; also whether it was made ahead."""
+        key = self.key(arch, owners, before)
+        self.join()
+        ahead = (self.committed is not None and self.committed.arch == arch) or key in self._ahead
+        plan = self.plan(arch, owners, before)
+        self.committed = None
+        self._ahead.pop(key, None)
+        return plan, ahead
+
+    # -- ahead -----------------------------------------------------------------------------
+    def set_upcoming(self, archs: Sequence[Arch]) -> None:
+        self._upcoming = list(archs)
+
+    @property
+    def upcoming(self) -> list[Arch]:
+        return self._upcoming
+
+    def start_ahead(self, owners: Mapping[str, int], before: Arch | None) -> None:
+        """Plan the upcoming subnets in the background, chained from ``owners`` (after this
+        step's migration) and the committed next plan."""
+        if not self._upcoming or self.planner is None:
+            return
+        archs, owners, self._upcoming = self._upcoming, dict(owners), []
+        self._ahead = {}
+        nxt = self.committed
+        if nxt is not None and nxt.arch == archs[0]:
+            owners.update(stages_of(nxt.active, nxt.partition.bounds))
+            archs, before = archs[1:], nxt.arch
+
+        def chain() -> None:
+            prior = before
+            for arch in archs:
+                key = self.key(arch, owners, prior)
+                plan = self.plan_with(arch, owners, prior)
+                self._ahead[key] = plan
+                owners.update(stages_of(plan.active, plan.partition.bounds))
+                prior = arch
+
+        self._job = self._pool.submit(chain)
+
+    def join(self) -> None:
+        if self._job is not None:
+            job, self._job = self._job, None
+            job.result()  # started a step ago: done by now; re-raises its error if any
+
+    def close(self, wait: bool) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+_MEMO = 256
+
+
+def _remember(memo: OrderedDict, key: tuple, value):
+    memo[key] = value
+    if len(memo) > _MEMO:
+        memo.popitem(last=False)
+    return value

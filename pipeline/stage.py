@@ -1,0 +1,152 @@
+"""The stage executor: one rank's action list for one training step (receive, compute, send).
+
+Messages are payload only when the plan's wire specs are known (:mod:`pipeline.wire`): the
+receive of the next action that needs input is posted before the current action computes, so
+its data arrives meanwhile (on NCCL it is posted in one batch with the current action's sends);
+sends complete lazily (:class:`pipeline.transport.Transport`). Losses stay on the device and
+are handed to rank 0 in one message at the end of the step: no host synchronisation between
+the first and the last action. Without wire specs the messages describe themselves.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from supernet import OpContext, Slice, SliceRun, loss_and_grad
+
+from .failures import FailureReporter
+from .plan.schedule import Action, Schedule
+from .trace import Tracer
+from .transport import PostedRecv, Transport
+from .wire import TensorSpec, WireSpecs
+
+__all__ = ["StageExecutor", "StageRun"]
+
+
+@dataclass
+class StageRun:
+    """What one step on this stage measured."""
+
+    busy_s: float = 0.0  # compute (forward, backward)
+    wait_s: float = 0.0  # waiting for receives
+    max_in_flight: int = 0
+
+
+class StageExecutor:
+    def __init__(self, rank: int, schedule: Schedule, transport: Transport, failures: FailureReporter,
+                 tracer: Tracer, device: torch.device, seed: int) -> None:
+        self.rank, self.schedule, self.transport = rank, schedule, transport
+        self.failures, self.tracer, self.device, self.seed = failures, tracer, device, seed
+        self.last = schedule.num_stages - 1
+        self.actions = schedule.actions[rank]
+        # which actions read a message: a forward on every stage but the first, a backward on
+        # every stage but the last
+        self._needs = [i for i, a in enumerate(self.actions)
+                       if (a.kind == "F" and rank > 0) or (a.kind == "B" and rank < self.last)]
+
+    def run(self, step: int, sl: Slice, wires: WireSpecs | None, mbs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            batch: int, module: Callable[[str], nn.Module]) -> tuple[torch.Tensor | None, StageRun]:
+        """Run the step's actions; returns the micro-batch losses on rank 0 (a device tensor,
+        read by the caller after the step) and this stage's figures."""
+        rank, last, tr, tracer = self.rank, self.last, self.transport, self.tracer
+        M = len(mbs)
+        stats = StageRun()
+        losses = torch.zeros(M, dtype=torch.float64, device=self.device) if rank in (0, last) else None
+        posted: dict[int, PostedRecv] = {}
+        needs, k = self._needs, 0  # needs[k]: the next action that reads a message
+        eager = not tr.batched
+        # rank 0 gets the losses from the last rank at the end; on a channel that also carries
+        # the schedule's messages (P = 2) its receive is posted after theirs, in sending order
+        loss_recv: list[PostedRecv] = []
+        losses_after = needs[-1] if (rank == 0 and last == 1 and needs) else None
+
+        def post_losses() -> None:
+            loss_recv.append(tr.post_recv(last, (TensorSpec((M,), torch.float64),)))
+
+        def posted_now(j: int, handle: PostedRecv) -> None:
+            posted[j] = handle
+            if j == losses_after:
+                post_losses()
+
+        def post(j: int) -> None:
+            a = self.actions[j]
+            src, specs = (rank - 1, wires.forward[rank]) if a.kind == "F" else (rank + 1, wires.backward[rank])
+            posted_now(j, tr.post_recv(src, specs))
+
+        if wires is not None and rank == 0 and last != 0 and losses_after is None:
+            post_losses()
+        if wires is not None and needs:
+            post(needs[0])
+        runs: dict[int, SliceRun] = {}
+        head_grads: dict[int, list] = {}
+        ctx = _ctx(self.seed, step)
+        for i, action in enumerate(self.actions):
+            with self.failures.failing(step, action), tracer.span(step, str(action), action_cat(action)):
+                m = action.microbatch
+                reads = k < len(needs) and needs[k] == i
+                if reads:
+                    k += 1
+                    if wires is not None and eager and k < len(needs):
+                        post(needs[k])  # the next message arrives while this action computes
+                    if wires is not None and i not in posted:
+                        post(i)
+                    w0 = time.perf_counter()
+                    with tracer.span(step, f"recv {action}", "recv-wait"):
+                        got = posted.pop(i).wait() if wires is not None else tr.recv(rank - 1 if action.kind == "F" else rank + 1)[0]
+                    stats.wait_s += time.perf_counter() - w0
+                a0 = time.perf_counter()
+                if action.kind == "F":
+                    run = SliceRun(sl, module, ctx(m))
+                    outs = run.forward([mbs[m][0]] if rank == 0 else got)
+                    runs[m] = run
+                    stats.max_in_flight = max(stats.max_in_flight, len(runs))
+                    if rank == last:
+                        loss, g = loss_and_grad(outs[0], mbs[m][1], batch)
+                        losses[m] = loss
+                        head_grads[m] = [g]
+                    out, dst = (outs, rank + 1) if rank != last else (None, None)
+                else:
+                    grads = head_grads.pop(m) if rank == last else got
+                    in_grads = runs.pop(m).backward(grads)
+                    out, dst = (in_grads, rank - 1) if rank != 0 else (None, None)
+                stats.busy_s += time.perf_counter() - a0
+                nxt = None
+                # NCCL: the receive of the very next action goes in one batch with this one's
+                # sends (posting it earlier would queue it in front of sends its answer needs)
+                if wires is not None and not eager and k < len(needs) and needs[k] == i + 1 and needs[k] not in posted:
+                    a = self.actions[needs[k]]
+                    nxt = (rank - 1, wires.forward[rank]) if a.kind == "F" else (rank + 1, wires.backward[rank])
+                if out is not None or nxt is not None:
+                    with tracer.span(step, f"send {action}", "send"):
+                        if wires is None:
+                            tr.send(out, dst)
+                        else:
+                            handle = tr.exchange(((out, dst),) if out is not None else (), nxt)
+                            if nxt is not None:
+                                posted_now(needs[k], handle)
+        with self.failures.failing(step, "losses"):
+            if rank == last and last != 0:
+                if wires is not None:
+                    tr.send_payload([losses], 0)
+                else:
+                    tr.send([losses], 0)
+            elif loss_recv:
+                losses = loss_recv[0].wait()[0]
+            elif rank == 0 and last != 0:
+                losses = tr.recv(last)[0][0]
+            tr.flush()
+        return (losses if rank == 0 else None), stats
+
+
+def action_cat(action: Action) -> str:
+    return "forward" if action.kind == "F" else "backward"
+
+
+def _ctx(seed: int, step: int):
+    def for_mb(mb: int):
+        return lambda op_id: OpContext(seed, step, mb, op_id, True)
+    return for_mb
