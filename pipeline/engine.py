@@ -26,13 +26,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
-    "split_batch",
+    "split_batch", "update",
 ]
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One training step, as seen by the main rank (others get ``loss=nan``)."""
+    """One training step. Every rank has the micro-batch losses (so every rank decides alike
+    whether the step updated anything: it does not when a loss is not finite)."""
 
     step: int
     arch: Arch
@@ -77,6 +78,9 @@ class Engine(Protocol):
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None: ...
 
+    def trace_spans(self) -> list | None:
+        """The spans of the traced steps, every rank's, on the main rank (collective); None elsewhere."""
+
     def close(self) -> None: ...
 
 
@@ -101,6 +105,17 @@ class LrSchedule:
             return self.base
         t = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         return self.min_lr + 0.5 * (self.base - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequence[float]) -> bool:
+    """The optimizer step of ``op_ids``, unless a micro-batch loss is not finite: then the
+    step's gradients are dropped and nothing changes (the caller stops or skips the step).
+    Returns whether it updated."""
+    if all(math.isfinite(v) for v in microbatch_losses):
+        tensors.step(op_ids, lr)
+        return True
+    tensors.zero_grad()
+    return False
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

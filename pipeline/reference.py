@@ -19,7 +19,8 @@ import torch
 from supernet import Arch, OpContext, SliceRun, SupernetGraph, classification_loss, loss_and_grad
 from supernet.execute import whole_slice
 
-from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
+from .trace import Span, Tracer
+from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch, update
 from .memory_settings import MemorySettings
 from .tensors import OptimConfig, TensorManager
 
@@ -31,7 +32,8 @@ class ReferenceEngine:
     world_size = 1
 
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int,
-                 lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None) -> None:
+                 lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None,
+                 trace_steps: Iterable[int] = ()) -> None:
         self.graph = graph
         self.seed = seed
         self.microbatches = microbatches
@@ -43,6 +45,7 @@ class ReferenceEngine:
         for slot in graph.slots():
             self.tensors.create(slot.op_id)
         self._ahead: list[frozenset[str]] = []
+        self.tracer = Tracer(0, trace_steps)
 
     @property
     def is_main(self) -> bool:
@@ -82,13 +85,17 @@ class ReferenceEngine:
         self.tensors.ensure(ops)
         batch = x.shape[0]
         losses = []
+        span = self.tracer.span
         for mb, (xm, ym) in enumerate(split_batch(x.to(self.device), y.to(self.device), self.microbatches)):
             run = SliceRun(sl, self.tensors.module, self._ctx(step, mb, True))
-            (out,) = run.forward([xm])
-            loss, grad = loss_and_grad(out, ym, batch)
-            run.backward([grad])
+            with span(step, f"0F{mb}", "forward"):
+                (out,) = run.forward([xm])
+                loss, grad = loss_and_grad(out, ym, batch)
+            with span(step, f"0B{mb}", "backward"):
+                run.backward([grad])
             losses.append(loss.item())
-        self.tensors.step(ops, self.lr(step))
+        with span(step, "optimizer", "optimizer"):
+            update(self.tensors, ops, self.lr(step), losses)  # nothing changes when a loss is not finite
         mem = self.tensors.release_step()
         return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
 
@@ -126,6 +133,10 @@ class ReferenceEngine:
             if self.tensors.owns(op_id):
                 self.tensors.export(op_id)  # drop the fresh copy
             self.tensors.adopt(op_id, state)
+
+    def trace_spans(self) -> list[Span]:
+        """The recorded spans (one process: all of them)."""
+        return self.tracer.spans
 
     def close(self) -> None:
         self.tensors.close()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classification_loss
 
-from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch
+from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch, update
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
 from .migration import Migrator
@@ -225,15 +225,15 @@ class PipelineEngine:
             self._prepare_next(plan)
         mine = plan.slices[self.rank]
         losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, self.tensors.module)
+        mb_losses = tuple(losses.tolist())  # the step's one host read, after its last action
         with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
             a0 = time.perf_counter()
-            self.tensors.step([op.op_id for op in mine.ops], self.lr(step))
+            update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses)
             opt_s = time.perf_counter() - a0
         wall = time.perf_counter() - t0
         st = self.stats
         st.wall_s, st.busy_s, st.max_in_flight, st.wait_s = wall, run.busy_s + opt_s, run.max_in_flight, run.wait_s
-        mb_losses = tuple(losses.tolist()) if self.is_main else ()  # the step's one host read
-        return StepResult(step, arch, float(sum(mb_losses)) if self.is_main else float("nan"), mb_losses, wall,
+        return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
                           st.migrated_ops + st.early_migrated_ops, st.migrated_bytes)
 
     # -- evaluation ------------------------------------------------------------------------

@@ -50,19 +50,21 @@ class StageExecutor:
 
     def run(self, step: int, sl: Slice, wires: WireSpecs | None, mbs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             batch: int, module: Callable[[str], nn.Module]) -> tuple[torch.Tensor | None, StageRun]:
-        """Run the step's actions; returns the micro-batch losses on rank 0 (a device tensor,
-        read by the caller after the step) and this stage's figures."""
+        """Run the step's actions; returns the micro-batch losses (a device tensor on every rank,
+        read by the caller after the step: every rank decides alike whether to update) and this
+        stage's figures."""
         rank, last, tr, tracer = self.rank, self.last, self.transport, self.tracer
         M = len(mbs)
         stats = StageRun()
-        losses = torch.zeros(M, dtype=torch.float64, device=self.device) if rank in (0, last) else None
+        losses = torch.zeros(M, dtype=torch.float64, device=self.device) if rank == last else None
         posted: dict[int, PostedRecv] = {}
         needs, k = self._needs, 0  # needs[k]: the next action that reads a message
         eager = not tr.batched
-        # rank 0 gets the losses from the last rank at the end; on a channel that also carries
-        # the schedule's messages (P = 2) its receive is posted after theirs, in sending order
+        # every rank gets the losses from the last rank at the end of the step; on the channel
+        # that also carries the last rank's gradients (rank last-1) the receive is posted after
+        # theirs, in sending order
         loss_recv: list[PostedRecv] = []
-        losses_after = needs[-1] if (rank == 0 and last == 1 and needs) else None
+        losses_after = needs[-1] if (rank == last - 1 and needs) else None
 
         def post_losses() -> None:
             loss_recv.append(tr.post_recv(last, (TensorSpec((M,), torch.float64),)))
@@ -77,7 +79,7 @@ class StageExecutor:
             src, specs = (rank - 1, wires.forward[rank]) if a.kind == "F" else (rank + 1, wires.backward[rank])
             posted_now(j, tr.post_recv(src, specs))
 
-        if wires is not None and rank == 0 and last != 0 and losses_after is None:
+        if wires is not None and rank != last and losses_after is None:
             post_losses()
         if wires is not None and needs:
             post(needs[0])
@@ -129,17 +131,18 @@ class StageExecutor:
                             if nxt is not None:
                                 posted_now(needs[k], handle)
         with self.failures.failing(step, "losses"):
-            if rank == last and last != 0:
-                if wires is not None:
-                    tr.send_payload([losses], 0)
-                else:
-                    tr.send([losses], 0)
+            if rank == last:
+                for dst in range(last):
+                    if wires is not None:
+                        tr.send_payload([losses], dst)
+                    else:
+                        tr.send([losses], dst)
             elif loss_recv:
                 losses = loss_recv[0].wait()[0]
-            elif rank == 0 and last != 0:
+            else:
                 losses = tr.recv(last)[0][0]
             tr.flush()
-        return (losses if rank == 0 else None), stats
+        return losses, stats
 
 
 def action_cat(action: Action) -> str:
