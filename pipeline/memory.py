@@ -38,7 +38,7 @@ from torch import nn
 
 from .memory_arena import Handle, OpLayout
 
-__all__ = ["MemoryStats", "MemoryAudit", "MemoryBudgetError", "OpPlacement", "optim_state_keys", "op_layout",
+__all__ = ["MemoryStats", "MemoryAudit", "MemoryBudgetError", "OpPlacement", "optim_state_keys", "op_layout", "device_bytes",
            "HOST", "FETCHING", "RESIDENT"]
 
 HOST, FETCHING, RESIDENT = "host", "fetching", "resident"
@@ -121,6 +121,13 @@ def op_layout(module: nn.Module, state_keys: Sequence[str], align: int) -> OpLay
     return OpLayout.build(slots, align) if slots else OpLayout((), 0)
 
 
+def device_bytes(layout: OpLayout, optim_on_host: bool) -> int:
+    """Bytes of an op that go to the device: its whole layout, or (optimizer on the host) the
+    weights and buffers, which come first in it."""
+    optim = [s.offset for s in layout.slots if s.kind == "optim"]
+    return optim[0] if optim_on_host and optim else layout.nbytes
+
+
 class OpPlacement:
     """Where one owned op lives: its module, optimizer, layout, host home and arena offset."""
 
@@ -128,10 +135,8 @@ class OpPlacement:
                  host: torch.Tensor, optim_on_host: bool = False) -> None:
         self.op_id, self.module, self.opt, self.layout, self.host = op_id, module, opt, layout, host
         self.optim_on_host = optim_on_host
-        # bytes that go to the device: the whole layout, or (optimizer on the host) the
-        # weights and buffers, which come first in it
-        optim = [s.offset for s in layout.slots if s.kind == "optim"]
-        self.nbytes = optim[0] if optim_on_host and optim else layout.nbytes
+        self.nbytes = device_bytes(layout, optim_on_host)
+        self._host_views: list[torch.Tensor] | None = None
         self.params = list(module.parameters())
         self.buffer_owner = {}
         for name, _ in module.named_buffers():
@@ -145,12 +150,23 @@ class OpPlacement:
         self.settled = False  # every optimizer state slot is a view of where the op lives
         self.last_use = -1
 
+    def host_views(self) -> list[torch.Tensor]:
+        """The slots' tensors over the host home (made once: the home never moves)."""
+        if self._host_views is None:
+            self._host_views = [slot.view(self.host) for slot in self.layout.slots]
+        return self._host_views
+
     def point(self, buf: torch.Tensor, base: int) -> None:
         """Make the module's tensors and its optimizer state views of ``buf`` from ``base``
         (the optimizer state of an op updated on the host stays in its host home)."""
         settled = True
-        for slot in self.layout.slots:
-            view = slot.view(self.host, 0) if slot.kind == "optim" and self.optim_on_host else slot.view(buf, base)
+        on_host = buf is self.host
+        host = self.host_views() if on_host or self.optim_on_host else None
+        for i, slot in enumerate(self.layout.slots):
+            if on_host or (slot.kind == "optim" and self.optim_on_host):
+                view = host[i]
+            else:
+                view = slot.view(buf, base)
             if slot.kind == "param":
                 self.params[slot.index].data = view
             elif slot.kind == "buffer":
@@ -167,7 +183,7 @@ class OpPlacement:
     def settle(self, buf: torch.Tensor, base: int) -> None:
         """Move optimizer state that torch created lazily (first step) into its slots."""
         settled = True
-        for slot in self.layout.slots:
+        for i, slot in enumerate(self.layout.slots):
             if slot.kind != "optim":
                 continue
             st = self.opt.state.get(self.params[slot.index])
@@ -175,7 +191,7 @@ class OpPlacement:
             if t is None:
                 settled = False
                 continue
-            view = slot.view(self.host, 0) if self.optim_on_host else slot.view(buf, base)
+            view = self.host_views()[i] if self.optim_on_host or buf is self.host else slot.view(buf, base)
             if t.data_ptr() != view.data_ptr():
                 view.copy_(t)
                 st[slot.name] = view

@@ -42,6 +42,7 @@ def _timed(fn):
             try:
                 return fn(self, *args, **kwargs)
             finally:
+                self.copier.flush()  # the copies this call issued start now, in one hand-over
                 self._totals["busy_s"] += time.perf_counter() - t0
                 self._depth = 0
 
@@ -210,8 +211,8 @@ class VirtualStore:
         self.in_use.add(op_id)
         if mutates and rec.buffer_owner:
             rec.dirty = True  # running statistics may change in a forward pass
-        if self._blocked:
-            self._pump()
+        if self._blocked and any(h.done() for _, h in self.in_flight):
+            self._pump()  # a copy finished: room under the in-flight cap for the next fetch
 
     @_timed
     def stepped(self, op_id: str) -> None:
@@ -344,7 +345,10 @@ class VirtualStore:
             off = self.arena.allocate(rec.op_id, n)
             if off is not None:
                 return off
-            if self.arena.capacity - self.arena.used >= n and self._compact():
+            # Compacting moves resident ops on this thread after draining the copies: only for
+            # a fetch the step waits for anyway, or between steps (nothing in use).
+            compactable = limit is None or not self.in_use
+            if compactable and self.arena.capacity - self.arena.used >= n and self._compact():
                 continue
             victim = self._victim(limit, keep)
             if victim is None and limit is None and any(r.state == FETCHING and r.op_id not in self.pinned

@@ -24,7 +24,7 @@ from torch import nn
 
 from supernet import OpSlot, SupernetGraph, build_op
 
-from .memory import MemoryAudit, MemoryStats, op_layout, optim_state_keys
+from .memory import MemoryAudit, MemoryStats, device_bytes, op_layout, optim_state_keys
 from .memory_store import VirtualStore
 from .memory_arena import alignment_for
 from .memory_settings import MemorySettings
@@ -64,7 +64,18 @@ class TensorManager:
     """The ops one process owns, their modules and their optimizers.
 
     ``memory`` (default: no budget) decides where they live: all resident on ``device``, or
-    in host memory with a device arena of ``memory.device_budget_bytes``."""
+    in host memory with a device arena of ``memory.device_budget_bytes``. An engine drives a
+    step the same way in both modes (each call is cheap or a no-op without a budget)::
+
+        tensors.prefetch([ops_now, ops_next, ...])  # this process's ops per step, this one first
+        tensors.ensure(ops_now)                     # after migration settled, before compute
+        ... SliceRun(sl, tensors.module, ...) ...   # module() pins on first use too
+        tensors.step(ops_now, lr)
+        stats = tensors.release_step()              # unpin, move the future on, keep prefetching
+
+    and an evaluation as ``ensure(ops)`` ... ``release_step(advance=False)``. ``export`` and
+    ``adopt`` work whether an op is resident or not, from the main thread, at any time an op
+    is not in use; all calls are serialised by one lock."""
 
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig,
                  device: torch.device | str = "cpu", own: Iterable[str] = (),
@@ -229,14 +240,15 @@ class TensorManager:
         return self._store.audit() if self._store is not None else None
 
     def footprint(self, op_ids: Iterable[str]) -> int:
-        """Bytes ``op_ids`` take in the arena (aligned weights, buffers and optimizer state),
-        computed from their specs without building real weights; owned or not."""
+        """Bytes ``op_ids`` take in the arena (aligned weights, buffers and, unless it is updated
+        on the host, optimizer state), computed from their specs without building real weights;
+        owned or not."""
         align = alignment_for(self.device)
         total = 0
         for op_id in op_ids:
             with torch.device("meta"):
                 module = build_op(self._slot(op_id).spec, op_id, self.seed, seeded=False)
-            total += op_layout(module, self._state_keys, align).nbytes
+            total += device_bytes(op_layout(module, self._state_keys, align), self.memory.optimizer == "host")
         return total
 
     def close(self) -> None:

@@ -444,6 +444,8 @@ class _NeverDone:
 
         return H()
 
+    def flush(self) -> None: ...
+
     def close(self) -> None: ...
 
 
