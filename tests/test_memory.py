@@ -459,3 +459,32 @@ def test_prefetch_keeps_at_most_max_in_flight_copies_outstanding() -> None:
     tm.ensure(["l0/c"])  # not fetched ahead: a demand fetch is never held back by the cap
     assert copier.issued == 3 and tm.stats().misses == 1
     tm.close()
+
+
+def test_resuming_from_op_states_with_a_budget_continues_the_same_bits(no_static_check) -> None:
+    """A checkpoint's op states (exported from host memory) load into a budgeted engine, which
+    continues exactly as an all-resident run that never stopped."""
+    graph, optim = build_graph("conv"), optim_of("adamw")
+    archs = arch_stream(graph, 0, STEPS + 1)
+    mem = MemorySettings(device_budget_bytes=tight_budget("conv", "adamw"))
+
+    def train(engine: ReferenceEngine, steps: range) -> list[float]:
+        out = []
+        for s in steps:
+            engine.plan_ahead(archs[s + 1 : s + 3])
+            out.append(engine.train_step(s, archs[s], *step_data(0, s, 16)).loss)
+        return out
+
+    lr = LrSchedule(optim.lr, STEPS, "cosine", 1)
+    plain = ReferenceEngine(graph, 0, optim, 4, lr)
+    ref = train(plain, range(STEPS))
+    first = ReferenceEngine(graph, 0, optim, 4, lr, memory=mem)
+    got = train(first, range(3))
+    states = first.op_states()
+    first.close()
+    second = ReferenceEngine(graph, 0, optim, 4, lr, memory=mem)
+    second.load_op_states(states)
+    got += train(second, range(3, STEPS))
+    assert got == ref
+    assert params_digest(second.op_states()) == params_digest(plain.op_states())
+    second.close()
