@@ -1,4 +1,4 @@
-"""Migration: ops whose stage changes move with their optimizer state, now or ahead.
+"""Migration: ops whose stage changes move with their optimizer state, now or ahead (and gathers).
 
 *Now* (on the critical path): before a step runs, every op the new plan places on another
 stage moves point to point. *Ahead*: ops the next subnet needs elsewhere and the current step
@@ -88,6 +88,22 @@ class Migrator:
             self.owners[mv.op_id] = mv.dst
         n, self._moves = len(self._moves), []
         return n
+
+    def gather(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Every op's flat state on rank 0, copied to the CPU (collective; the owners keep theirs)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for op_id in sorted(self.owners):
+            owner = self.owners[op_id]
+            if owner == self.rank:
+                state = self.tensors.export(op_id, release=False)
+                if self.rank == 0:
+                    out[op_id] = {k: v.detach().cpu().clone() for k, v in state.items()}
+                else:
+                    self.transport.send_state(op_id, state, 0)
+            elif self.rank == 0:
+                out[op_id] = {k: t.cpu() for k, t in self.transport.recv_state(op_id, owner).items()}
+        self.transport.flush()
+        return out if self.rank == 0 else None
 
     def close(self, wait: bool) -> None:
         if wait:

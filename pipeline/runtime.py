@@ -9,9 +9,8 @@ engine ties four parts together, one concern each:
   state, now or during the step before;
 * :class:`pipeline.stage.StageExecutor`: this rank's actions of the schedule (receive,
   compute, send), payload-only messages with receives posted ahead;
-* the agreement check: all ranks planned the same subnet and partition. For a plan made ahead
-  its all-reduce runs during the step before, on a group of its own, and is only read at the
-  step's start, before anything of the step moves: no round trip on the critical path.
+* :class:`pipeline.agreement.Agreement`: all ranks planned the same subnet and partition,
+  checked a step ahead for plans made ahead (no round trip on the critical path).
 
 Gradients accumulate in ascending micro-batch order on every stage, exactly as in the
 reference, so the result is bit-identical. Every phase runs under
@@ -31,15 +30,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from supernet import Arch, OpContext, Slice, SliceRun, SupernetGraph, classification_loss
+from supernet import Arch, SupernetGraph
 
-from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch, update
+from .agreement import Agreement, AgreementError
+from .evaluation import evaluate_stage
+from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, split_batch, update
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
-from .plan.schedule import Schedule, build as build_schedule, forward_only, validate
+from .plan.schedule import Schedule, build as build_schedule, validate
 from .settings import DistEnv, PipelineSettings
 from .stage import StageExecutor
 from .tensors import OptimConfig, TensorManager
@@ -49,10 +50,6 @@ from .transport import Transport
 __all__ = ["PipelineEngine", "StageFailure", "Plan", "AgreementError"]
 
 log = logging.getLogger(__name__)
-
-
-class AgreementError(RuntimeError):
-    """The ranks planned different subnets or partitions."""
 
 
 @dataclass
@@ -100,8 +97,7 @@ class PipelineEngine:
         self.transport = Transport(self.rank, self.device, timeout)
         self._schedule_transport = Transport(self.rank, self.device, timeout, group=dist.new_group()) if many else self.transport
         early = Transport(self.rank, self.device, timeout, group=dist.new_group()) if many else None
-        self._agree_group = dist.new_group() if many else None
-        self._agreeing: tuple[dist.Work, torch.Tensor, Plan] | None = None
+        self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, microbatches)
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)
@@ -145,47 +141,11 @@ class PipelineEngine:
         t0 = time.perf_counter()
         with self.tracer.span(step, "plan", "plan"):
             plan, ahead = self.planner.take(arch, self.owners, self._last_arch)
-            self._agree(plan, checked)
+            self.agreement.check(plan, checked)
         self.stats.planned_ahead = ahead
         self.stats.plan_s = time.perf_counter() - t0
         self.stats.bounds = plan.partition.bounds
         return plan
-
-    # -- agreement -------------------------------------------------------------------------
-    def _post_agreement(self, plan: Plan) -> None:
-        """Start the check of a plan made ahead; read at the start of the step that uses it."""
-        if self.settings.check_agreement and self._agree_group is not None:
-            t = torch.tensor([plan.digest, -plan.digest], dtype=torch.int64, device=self.device)
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group, async_op=True)
-            self._agreeing = (work, t, plan)
-
-    def _read_agreement(self) -> Plan | None:
-        """Finish the check started a step ago (raises if the ranks disagreed); the plan it checked."""
-        if self._agreeing is None:
-            return None
-        (work, t, plan), self._agreeing = self._agreeing, None
-        if work.wait(self.transport.timeout) is False:
-            raise AgreementError(f"the agreement check got no answer within {self.settings.timeout_s:g} s")
-        self._compare(t, plan)
-        return plan
-
-    def _agree(self, plan: Plan, checked: Plan | None) -> None:
-        """Check ``plan`` now unless the check started a step ago (``checked``) covered it."""
-        if not self.settings.check_agreement or self._agree_group is None or (
-                checked is not None and checked.digest == plan.digest):
-            return
-        t = torch.tensor([plan.digest, -plan.digest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_group)
-        self._compare(t, plan)
-
-    def _compare(self, t: torch.Tensor, plan: Plan) -> None:
-        hi, neg_lo = t.tolist()
-        if hi != plan.digest or -neg_lo != plan.digest:
-            raise AgreementError(
-                f"ranks disagree on the subnet or its partition (this rank: arch {plan.arch.digest()}, "
-                f"bounds {list(plan.partition.bounds)}); every rank must sample the same arch stream "
-                "and use the same cost profile"
-            )
 
     # -- migration -------------------------------------------------------------------------
     def _migrate(self, step: int, plan: Plan) -> None:
@@ -202,7 +162,7 @@ class PipelineEngine:
         if upcoming and self.migrator.early_transport is not None:
             nxt = self.planner.planned(upcoming[0], self.owners, current.arch)
             self.planner.committed = nxt
-            self._post_agreement(nxt)
+            self.agreement.post(nxt)
             self.migrator.start_ahead(nxt.active, nxt.partition.bounds, (op.op_id for op in current.active))
         self.planner.start_ahead(self.owners, self._last_arch)
 
@@ -212,7 +172,7 @@ class PipelineEngine:
         batch = x.shape[0]
         mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
         with self.failures.failing(step, "plan"):
-            checked = self._read_agreement()  # before the moves made ahead settle
+            checked = self.agreement.read()  # before the moves made ahead settle
         with self.failures.failing(step, "migrate-ahead"), self.tracer.span(step, "settle moves", "migrate-ahead"):
             early = self.migrator.settle()
         with self.failures.failing(step, "plan"):
@@ -245,7 +205,7 @@ class PipelineEngine:
         if not batches:
             return EvalResult(float("nan"), 0, 0)
         with self.failures.failing(-1, "plan"):
-            checked = self._read_agreement()
+            checked = self.agreement.read()
         with self.failures.failing(-1, "migrate-ahead"):
             self.migrator.settle()
         with self.failures.failing(-1, "plan"):
@@ -253,56 +213,15 @@ class PipelineEngine:
             plan = self._take_plan(-1, arch, checked)
         with self.failures.failing(-1, "migrate"):
             self._migrate(-1, plan)
-        mine = plan.slices[self.rank]
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        with recalibrated_bn([self.tensors.module(op.op_id) for op in mine.ops] if calib else []):
-            self._forward_stream(mine, calib, True, None)
-
-            def score(out: torch.Tensor, y: torch.Tensor) -> None:
-                totals[0] += classification_loss(out, y, 1)
-                totals[1] += (out.argmax(-1) == y).sum()
-                totals[2] += y.shape[0]
-
-            self._forward_stream(mine, batches, False, score)
-        with self.failures.failing(-1, "result"):
-            dist.broadcast(totals, src=self.last)
-        loss_sum, correct, total = totals.cpu().tolist()
-        return EvalResult(loss_sum / max(total, 1), int(correct), int(total))
-
-    def _forward_stream(self, mine: Slice, batches: list, training: bool, on_output) -> None:
-        """Forward-only micro-batches through the stages (evaluation; messages describe themselves)."""
-        if not batches:
-            return
-        for action in forward_only(self.num_stages, len(batches)).actions[self.rank]:
-            with self.failures.failing(-1, action):
-                m = action.microbatch
-                inputs = [batches[m][0]] if self.rank == 0 else self.transport.recv(self.rank - 1)[0]
-                outs = SliceRun(mine, self.tensors.module, _ctx(self.seed, -1, m, training)).forward(inputs, grad=False)
-                if self.rank == self.last:
-                    if on_output is not None:
-                        on_output(outs[0], batches[m][1])
-                else:
-                    self.transport.send(outs, self.rank + 1)
-        self.transport.flush()
+        return evaluate_stage(plan.slices[self.rank], self.rank, self.num_stages, self.seed, self.tensors.module,
+                              self.transport, self.failures, batches, calib, self.device)
 
     # -- state -----------------------------------------------------------------------------
     def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Gather every op's flat state on rank 0 (collective)."""
         with self.failures.failing(-1, "gather"):
             self.migrator.settle()
-            out: dict[str, dict[str, torch.Tensor]] = {}
-            for op_id in sorted(self.owners):
-                owner = self.owners[op_id]
-                if owner == self.rank:
-                    state = self.tensors.export(op_id, release=False)
-                    if self.rank == 0:
-                        out[op_id] = {k: v.detach().cpu().clone() for k, v in state.items()}
-                    else:
-                        self.transport.send_state(op_id, state, 0)
-                elif self.rank == 0:
-                    out[op_id] = {k: t.cpu() for k, t in self.transport.recv_state(op_id, owner).items()}
-            self.transport.flush()
-        return out if self.rank == 0 else None
+            return self.migrator.gather()
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Replace the state of the ops this rank owns with ``states`` (every rank passes all)."""
@@ -323,8 +242,8 @@ class PipelineEngine:
         group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
         ok = not self.failures.failed
         self.planner.close(wait=ok)
-        if ok and self._agreeing is not None:
-            self._read_agreement()
+        if ok:
+            self.agreement.read()
         self.migrator.close(wait=ok)
         if dist.is_initialized():
             if ok:
@@ -332,5 +251,3 @@ class PipelineEngine:
             dist.destroy_process_group()
 
 
-def _ctx(seed: int, step: int, mb: int, training: bool):
-    return lambda op_id: OpContext(seed, step, mb, op_id, training)

@@ -44,6 +44,8 @@ class Scenario:
     save: str = ""  # where rank 0 saves the final op states
     extra: dict = field(default_factory=dict)
     plan_ahead: bool = True  # give the engine the next subnets, as the app does with the sampler's peek
+    diverge_rank: int = -1  # this rank samples another arch stream from step ``diverge_at`` on
+    diverge_at: int = 0
 
 
 def build_graph(space: str):
@@ -79,6 +81,8 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     graph = build_graph(sc.space)
     engine = make_engine(sc, graph, env)
     archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs)
+    if env is not None and env.rank == sc.diverge_rank:  # a misconfigured rank (agreement tests)
+        archs[sc.diverge_at:] = arch_stream(graph, sc.seed + 1, len(archs) - sc.diverge_at)
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []

@@ -31,3 +31,18 @@ def test_killed_rank_mid_step_makes_the_others_exit_within_the_timeout() -> None
         assert "failed at step 1" in procs[r].stderr, procs[r].stderr[-2000:]
     assert "rank 2 failed" in procs[1].stderr, procs[1].stderr[-2000:]
     assert seconds < 100
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["planned-ahead", "planned-when-needed"])
+def test_ranks_that_disagree_on_the_subnet_stop_before_anything_moves(ahead: bool) -> None:
+    # rank 1 samples another arch stream from step 2 on: with plans made ahead the check posted
+    # during step 1 fails when step 2 starts, before the moves made ahead settle; planned when
+    # needed, the check of the fresh plan fails; either way in the plan phase of step 2, on every rank
+    sc = [Scenario("transformer", "1f1b", steps=4, diverge_rank=1, diverge_at=2, plan_ahead=ahead)]
+    _, procs, seconds = spawn(2, sc, timeout_s=120, expect_ok=False)
+    assert all(p is not None for p in procs), "a rank hung"
+    for r, p in enumerate(procs):
+        assert p.returncode != 0
+        assert f"rank {r} (stage {r}) failed at step 2 during plan" in p.stderr, p.stderr[-2000:]
+        assert "ranks disagree on the subnet or its partition" in p.stderr, p.stderr[-2000:]
+    assert seconds < 100
