@@ -1,7 +1,9 @@
 """Memory settings (the ``memory`` config group): the device budget of the tensor manager.
 
 ``device_budget_bytes``: the bytes of the device arena that holds the resident ops' weights,
-buffers and optimizer state (``null``: no arena, every op resident, today's behaviour).
+buffers and optimizer state (``null``: no arena, every op resident, today's behaviour);
+``device_budget_fraction``: instead, that fraction of the CUDA device's free memory when the
+manager starts (CUDA only; at most one of the two).
 ``host_memory``: where non-resident ops live: ``pageable``, ``pinned`` (page-locked, what
 makes host-to-device copies asynchronous and fast on CUDA) or ``shared`` (shared memory, so
 other processes on the machine can map it). ``policy``: what is evicted and when ops are
@@ -19,7 +21,10 @@ gradients come back, and the device copy is stale after each step, so every use 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZER_PLACEMENTS"]
 
@@ -34,6 +39,7 @@ class MemorySettings:
     """How the tensor manager bounds the device working set (see the module docstring)."""
 
     device_budget_bytes: int | None = None
+    device_budget_fraction: float | None = None
     host_memory: str = "pinned"
     policy: str = "belady"
     prefetch_depth: int = 2
@@ -44,12 +50,31 @@ class MemorySettings:
     @property
     def virtual(self) -> bool:
         """Whether a budget is set (ops live in host memory and a bounded arena)."""
-        return self.device_budget_bytes is not None
+        return self.device_budget_bytes is not None or self.device_budget_fraction is not None
+
+    def budget_for(self, device: torch.device, free_bytes: Callable[[torch.device], int] | None = None) -> int:
+        """The arena's bytes on ``device``: the set bytes, or the fraction of its free memory
+        (``free_bytes`` defaults to ``torch.cuda.mem_get_info``)."""
+        if self.device_budget_bytes is not None:
+            return self.device_budget_bytes
+        if self.device_budget_fraction is None:
+            raise ValueError("memory.device_budget_bytes: no budget set (null means every op resident)")
+        if device.type != "cuda":
+            raise ValueError(f"memory.device_budget_fraction: a fraction of free device memory needs a CUDA "
+                             f"device, found {device}; set memory.device_budget_bytes instead")
+        free = free_bytes(device) if free_bytes is not None else torch.cuda.mem_get_info(device)[0]
+        return max(1, int(free * self.device_budget_fraction))
 
     def __post_init__(self) -> None:
         b = self.device_budget_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
             raise ValueError(f"memory.device_budget_bytes: expected a positive integer (bytes) or null, found {b!r}")
+        f = self.device_budget_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"memory.device_budget_fraction: expected a number in (0, 1] or null, found {f!r}")
+        if f is not None and b is not None:
+            raise ValueError("memory.device_budget_fraction: expected null when memory.device_budget_bytes is set "
+                             f"(found {f!r} and {b!r}); set one of them")
         if self.host_memory not in HOST_MEMORY:
             raise ValueError(f"memory.host_memory: expected one of {list(HOST_MEMORY)}, found {self.host_memory!r}")
         if self.policy not in POLICIES:

@@ -53,13 +53,12 @@ class VirtualStore:
     """Host homes and a device arena for the ops of one process (see the module docstring)."""
 
     def __init__(self, settings: MemorySettings, device: torch.device, state_keys: Sequence[str]) -> None:
-        assert settings.device_budget_bytes is not None
         self.settings = settings
         self.device = device
         self.state_keys = tuple(state_keys)
         self.host_update = settings.optimizer == "host"
         self.align = alignment_for(device)
-        self.arena = Arena(int(settings.device_budget_bytes), device, self.align)
+        self.arena = Arena(settings.budget_for(device), device, self.align)
         self.copier = make_copier(device)
         self.ops: dict[str, OpPlacement] = {}
         self.future: list[frozenset[str]] = []

@@ -62,7 +62,7 @@ class ReferenceEngine:
         by_node: dict[str, int] = {}
         for slot in self.graph.slots():
             by_node[slot.node] = max(by_node.get(slot.node, 0), self.tensors.footprint([slot.op_id]))
-        need, budget = sum(by_node.values()), self.tensors.memory.device_budget_bytes
+        need, budget = sum(by_node.values()), self.tensors.stats().budget_bytes
         if need > budget:
             from .memory import MemoryBudgetError
 

@@ -273,6 +273,18 @@ def test_cuda_budget_is_bit_identical_to_resident(no_static_check) -> None:
     assert outs[0] == outs[1]
 
 
+def test_a_budget_as_a_fraction_of_free_cuda_memory() -> None:
+    mem = MemorySettings(device_budget_fraction=0.25)
+    assert mem.virtual
+    assert mem.budget_for(torch.device("cuda:0"), free_bytes=lambda d: 8_000_000) == 2_000_000
+    with pytest.raises(ValueError, match=r"memory\.device_budget_fraction: .* needs a CUDA device"):
+        mem.budget_for(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"memory\.device_budget_fraction: expected a number in \(0, 1\]"):
+        MemorySettings(device_budget_fraction=1.5)
+    with pytest.raises(ValueError, match=r"memory\.device_budget_fraction: expected null when"):
+        MemorySettings(device_budget_bytes=10, device_budget_fraction=0.5)
+
+
 def test_settings_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         MemorySettings().policy = "lru"  # type: ignore[misc]
