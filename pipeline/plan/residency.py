@@ -259,6 +259,7 @@ def plan_residency(
 
         # prefetch for the next steps, in order of use, while a victim used later than the op exists
         prefetch: list[str] = []
+        room = True
         for u in range(t + 1, min(t + 1 + depth, len(trace))):
             for op in trace[u]:
                 if op in res or (max_copies is not None and len(prefetch) >= max_copies):
@@ -273,12 +274,14 @@ def plan_residency(
                         break
                     victims.append(v)
                     free += sizes[v]
-                if free < sizes[op]:
-                    break  # no room without evicting something needed sooner: stop looking ahead
-                if policy == "belady" and u > t + 1 and victims and min(
-                        future.after(v, t + 1) for v in victims) < max(future.after(p, t + 1) for p in need):
-                    # Beyond the next step, wait: once this step ends its ops become candidates, and
-                    # one of them is used later than this victim, so fetching now costs a fetch more.
+                # Stop looking ahead when there is no room without evicting something needed
+                # sooner, or (Belady, beyond the next step) when one of this step's ops, which
+                # become candidates once it ends, is used later than a victim: fetching now would
+                # cost a fetch more than fetching then.
+                room = free >= sizes[op] and not (
+                    policy == "belady" and u > t + 1 and victims
+                    and min(future.after(v, t + 1) for v in victims) < max(future.after(p, t + 1) for p in need))
+                if not room:
                     break
                 for v in victims:
                     drop(v)
@@ -290,9 +293,8 @@ def plan_residency(
                 totals["fetched"] += sizes[op]
                 prefetch.append(op)
                 peak = max(peak, used_bytes)
-            else:
-                continue
-            break
+            if not room:
+                break
         dropped: tuple[str, ...] = ()
         if not reuse:  # the host updates them after the step: the device copies are stale
             dropped = need
