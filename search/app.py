@@ -91,7 +91,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
 
     # A failing pipeline rank leaves a note in failures/ that its peers quote in their reports.
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
-                           rc.pipeline, rc.device, failure_dir=str(out / "failures"), memory=rc.memory)
+                           rc.pipeline, rc.device, failure_dir=str(out / "failures"), memory=rc.memory,
+                           trace_steps=tuple(rc.pipeline.trace_steps))
     rlog = _RankLog(log, {"rank": engine.rank})
     # On a terminal log lines go through the progress bar instead of tearing it
     with logging_redirect_tqdm() if _show_bars(engine) else nullcontext():
@@ -108,6 +109,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             states = _train(rc, engine, sampler, data, out, start, losses, digest, tdigest, rlog,
                             keep_previous=ckpt_file is None or ckpt_file == ckpt_path)
             train_s = time.perf_counter() - t0
+            if rc.pipeline.trace_steps:
+                _write_trace(out / TRACE_NAME, engine, rc.pipeline.trace_steps, rlog)
 
             t0 = time.perf_counter()
             result, evals = _search(rc, engine, space, data, cost, seed_archs)
@@ -304,6 +307,20 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
     finally:
         bar.close()
     return result, evals
+
+
+def _write_trace(path: Path, engine: Engine, steps: tuple[int, ...], rlog: logging.LoggerAdapter) -> None:
+    """Gather every rank's spans of the traced steps (collective) and write them on the main rank."""
+    spans = engine.trace_spans()
+    if not engine.is_main:
+        return
+    if spans:
+        write_trace(path, spans)
+        rlog.info("timeline of steps %s (%d spans): %s (open it in https://ui.perfetto.dev)", list(steps), len(spans),
+                  path)
+    else:  # a resumed run that starts after the traced steps
+        rlog.warning("pipeline.trace_steps %s: no step of them ran in this invocation; no %s written", list(steps),
+                     path.name)
 
 
 def _write_search_log(path: Path, rc: RunConfig, evals: dict[Arch, EvalResult], cost: SubnetCost) -> None:

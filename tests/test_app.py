@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import pipeline.reference
 from pipeline import params_digest
+from pipeline.trace import check_trace, spans_from_chrome
 from search.__main__ import torchrun_argv
 from search.app import run
 from search.checkpoint import CheckpointError, load_checkpoint
@@ -235,7 +236,7 @@ def test_torchrun_two_stages_pin_the_run_dir_resume_and_match_one_process(tiny_r
     _, single = tiny_run
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [*TINY_CONV, *TINY, "pipeline.timeout_s=60"]
+    args = [*TINY_CONV, *TINY, "pipeline.timeout_s=60", "pipeline.trace_steps=[3]"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
     first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-4000:]
@@ -243,7 +244,10 @@ def test_torchrun_two_stages_pin_the_run_dir_resume_and_match_one_process(tiny_r
     assert run_dir.name == torchrun_argv(["search", *args], {"WORLD_SIZE": "2"})[-1].rsplit("/", 1)[1]
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".hydra", "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl", "search-evolution.jsonl", "search.log",
-        "summary.json"]
+        "summary.json", "trace.json"]
+    spans = spans_from_chrome(json.loads((run_dir / "trace.json").read_text()))  # every rank's, on one file
+    assert {s.rank for s in spans} == {0, 1} and {s.step for s in spans} == {3}
+    check_trace(spans)
     assert first.stdout.count("best arch: ") == 1  # printed by rank 0 only
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params_digest"] == single["params_digest"]

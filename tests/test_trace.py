@@ -82,3 +82,14 @@ def test_busy_and_bubble_counts_compute_outside_waits() -> None:
     table = busy_and_bubble(spans)
     assert table[2][0] == pytest.approx((4.0, 6.0, 10.0))  # 3 s of forward outside the wait, 1 s optimizer
     assert table[2][1] == pytest.approx((8.0, 2.0, 10.0))
+
+
+def test_app_writes_the_timeline_of_the_traced_steps(tmp_path: Path) -> None:
+    from search.app import run
+    from tests.test_app import make_cfg
+
+    run(make_cfg("pipeline.trace_steps=[2,3]"), output_dir=tmp_path)
+    spans = spans_from_chrome(json.loads((tmp_path / "trace.json").read_text()))
+    assert {s.step for s in spans} == {2, 3} and {s.rank for s in spans} == {0}
+    assert {"forward", "backward", "optimizer"} <= {s.cat for s in spans}
+    check_trace(spans)
