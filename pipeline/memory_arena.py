@@ -4,7 +4,7 @@ An op's weights, buffers and optimizer state are laid out as one run of aligned 
 (:class:`OpLayout`): the same layout in its host home (one uint8 tensor per op) and in its
 region of the device arena, so fetching an op is one contiguous copy and so is writing it
 back. The :class:`Arena` is one uint8 tensor of exactly the budget's size, allocated once;
-regions are placed first fit and the arena compacts when free bytes suffice but no gap does.
+regions are placed best fit and the arena compacts when free bytes suffice but no gap does.
 Because every resident tensor is a view of that one buffer, the budget is structural: it
 holds on CPU (where the "device" arena is just another CPU tensor) as on CUDA, and the caching
 allocator cannot fragment it.
@@ -95,7 +95,7 @@ def host_buffer(nbytes: int, kind: str, device: torch.device) -> torch.Tensor:
 
 
 class Arena:
-    """A fixed uint8 buffer of ``capacity`` bytes with first-fit regions keyed by op id."""
+    """A fixed uint8 buffer of ``capacity`` bytes with best-fit regions keyed by op id."""
 
     def __init__(self, capacity: int, device: torch.device, align: int) -> None:
         self.capacity = capacity
@@ -123,25 +123,31 @@ class Arena:
         return out
 
     def allocate(self, op_id: str, nbytes: int) -> int | None:
-        """The offset of a new region of ``nbytes`` (first fit), or ``None`` when no gap fits."""
+        """The offset of a new region of ``nbytes`` (best fit: the smallest gap that holds it,
+        lowest first; an evicted op of the same kind leaves a hole of exactly its size, so
+        the arena fragments far less than first fit), or ``None`` when no gap fits."""
         if op_id in self.regions:
             raise RuntimeError(f"op {op_id!r} already has an arena region")
-        for off, n in self.gaps():
-            if n >= nbytes:
-                self.regions[op_id] = (off, nbytes)
-                return off
-        return None
+        fits = [(n, off) for off, n in self.gaps() if n >= nbytes]
+        if not fits:
+            return None
+        off = min(fits)[1]
+        self.regions[op_id] = (off, nbytes)
+        return off
 
     def free(self, op_id: str) -> None:
         del self.regions[op_id]
 
-    def plan_compaction(self, fixed: Iterable[str]) -> dict[str, int]:
+    def plan_compaction(self, fixed: Iterable[str], need: int | None = None) -> dict[str, int]:
         """New offsets for the regions not in ``fixed``, slid down in address order around the
-        fixed ones (each moves to a lower or the same offset); only those that move."""
+        fixed ones (each moves to a lower or the same offset); only those that move. With
+        ``need``, it stops as soon as a gap of ``need`` bytes has opened (fewer bytes moved)."""
         fixed = set(fixed) & set(self.regions)  # (ops without bytes have no region)
         fixed_spans = sorted(self.regions[o] for o in fixed)
         moves, cur = {}, 0
         for op_id, (off, n) in sorted(self.regions.items(), key=lambda kv: kv[1][0]):
+            if need is not None and off - cur >= need:
+                break  # the gap below this region already holds it
             if op_id in fixed:
                 cur = max(cur, off + n)
                 continue
@@ -194,8 +200,10 @@ class Copier(Protocol):
 
 
 def _run_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in copies:
-        dst.copy_(src)
+    # One call for the whole batch: it releases the GIL once. A Python loop of copy_ calls
+    # takes the GIL back between copies, and every hand-back can stall the compute thread
+    # for up to the interpreter's switch interval (5 ms).
+    torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
 
 
 class _Batch:

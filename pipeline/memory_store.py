@@ -347,7 +347,7 @@ class VirtualStore:
             # Compacting moves resident ops on this thread after draining the copies: only for
             # a fetch the step waits for anyway, or between steps (nothing in use).
             compactable = limit is None or not self.in_use
-            if compactable and self.arena.capacity - self.arena.used >= n and self._compact():
+            if compactable and self.arena.capacity - self.arena.used >= n and self._compact(n, drain=limit is None):
                 continue
             victim = self._victim(limit, keep)
             if victim is None and limit is None and any(r.state == FETCHING and r.op_id not in self.pinned
@@ -361,10 +361,18 @@ class VirtualStore:
                                          f"around {len(self.in_use)} ops in use)", self.arena.used + n)
             self._evict(victim)
 
-    def _compact(self) -> bool:
-        """Slide movable regions down so free bytes join up; whether anything moved."""
-        self._drain()
-        moves = self.arena.plan_compaction(self.in_use)
+    def _compact(self, need: int, drain: bool) -> bool:
+        """Slide movable regions down until a gap of ``need`` bytes opens; whether anything
+        moved. Ops in use (in an autograd graph) stay where they are, and so do ops being
+        fetched unless ``drain`` (wait for every copy first: a demand fetch waits anyway);
+        write-backs in flight read regions that are free now, so they finish first."""
+        if drain:
+            self._drain()
+        for rec, h in self.in_flight:
+            if rec.host_pending is h:
+                h.wait()
+        fixed = self.in_use | {o for o, r in self.ops.items() if r.state == FETCHING}
+        moves = self.arena.plan_compaction(fixed, need)
         for op_id, off in sorted(moves.items(), key=lambda kv: kv[1]):
             self.arena.move(op_id, off)
             rec = self.ops[op_id]
