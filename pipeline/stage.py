@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from supernet import OpContext, Slice, SliceRun, loss_and_grad
+from supernet import OpContext, Slice, SliceRun, classification_loss
 
 from .failures import FailureReporter
 from .plan.schedule import Action, Schedule
@@ -84,7 +84,7 @@ class StageExecutor:
         if wires is not None and needs:
             post(needs[0])
         runs: dict[int, SliceRun] = {}
-        head_grads: dict[int, list] = {}
+        head_losses: dict[int, torch.Tensor] = {}
         ctx = _ctx(self.seed, step)
         for i, action in enumerate(self.actions):
             with self.failures.failing(step, action), tracer.span(step, str(action), action_cat(action)):
@@ -106,14 +106,14 @@ class StageExecutor:
                     outs = run.forward([mbs[m][0]] if rank == 0 else got)
                     runs[m] = run
                     stats.max_in_flight = max(stats.max_in_flight, len(runs))
-                    if rank == last:
-                        loss, g = loss_and_grad(outs[0], mbs[m][1], batch)
-                        losses[m] = loss
-                        head_grads[m] = [g]
+                    if rank == last:  # the loss joins the slice's graph: one backward call later
+                        loss = classification_loss(outs[0], mbs[m][1], batch)
+                        losses[m] = loss.detach()
+                        head_losses[m] = loss
                     out, dst = (outs, rank + 1) if rank != last else (None, None)
                 else:
-                    grads = head_grads.pop(m) if rank == last else got
-                    in_grads = runs.pop(m).backward(grads)
+                    run = runs.pop(m)
+                    in_grads = run.backward_loss(head_losses.pop(m)) if rank == last else run.backward(got)
                     out, dst = (in_grads, rank - 1) if rank != 0 else (None, None)
                 stats.busy_s += time.perf_counter() - a0
                 nxt = None

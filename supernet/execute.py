@@ -83,28 +83,6 @@ def cut(active: Sequence[ActiveOp], bounds: Sequence[int], output: str) -> tuple
     )
 
 
-@dataclass(frozen=True)
-class _Links:
-    """Which tensors of a slice flow straight from producer to consumer inside one autograd
-    graph: produced by an op of the slice, used exactly once, by another op of the slice (not
-    handed on). Every other float tensor an op reads is a detached leaf, whose gradient joins
-    the fixed-order sum."""
-
-    nodes: frozenset[str]
-
-
-@lru_cache(maxsize=512)
-def _links(sl: Slice) -> _Links:
-    uses: dict[str, int] = {}
-    for op in sl.ops:
-        for src in op.inputs:
-            uses[src] = uses.get(src, 0) + 1
-    for nd in sl.outputs:
-        uses[nd] = uses.get(nd, 0) + 1
-    produced = {op.node for op in sl.ops}
-    return _Links(frozenset(nd for nd in produced if uses.get(nd, 0) == 1 and nd not in sl.outputs))
-
-
 def whole_slice(graph: SupernetGraph, arch: Arch) -> Slice:
     """The whole subnet ``arch`` as one slice (the single-process engines' unit; cached)."""
     return _whole_slice(graph, arch)
@@ -116,15 +94,70 @@ def _whole_slice(graph: SupernetGraph, arch: Arch) -> Slice:
     return cut(active, [0, len(active)], graph.output)[0]
 
 
+@dataclass(frozen=True)
+class _Wiring:
+    """How a slice's tensors join its one autograd graph.
+
+    ``links``: tensors produced in the slice and used exactly once, by another op of the slice:
+    they flow straight from producer to consumer. ``fan``: tensors used more than once (by ops
+    of the slice or handed on): each use gets an alias of its own from :class:`_FanOut`, whose
+    backward sums the uses' gradients in the fixed order ``fan[node]`` (indices of the uses in
+    forward order: the use handed on first, then the consumers in reverse topological order,
+    arguments left to right)."""
+
+    links: frozenset[str]
+    fan: dict[str, tuple[int, ...]]
+
+
+@lru_cache(maxsize=512)
+def _wiring(sl: Slice) -> _Wiring:
+    uses: dict[str, list[tuple[int, int]]] = {}  # node -> (op index, argument) in forward order
+    for i, op in enumerate(sl.ops):
+        for j, src in enumerate(op.inputs):
+            uses.setdefault(src, []).append((i, j))
+    n = len(sl.ops)
+    for nd in sl.outputs:
+        uses.setdefault(nd, []).append((n, 0))  # handed on: after every op
+    produced = {op.node for op in sl.ops}
+    links = frozenset(nd for nd in produced if len(uses.get(nd, ())) == 1 and nd not in sl.outputs)
+    fan = {}
+    for nd, us in uses.items():
+        if len(us) > 1:
+            fold = sorted(range(len(us)), key=lambda k: (-us[k][0], us[k][1]))  # handed on, then later ops first
+            fan[nd] = tuple(fold)
+    return _Wiring(links, fan)
+
+
+class _FanOut(torch.autograd.Function):
+    """``k`` aliases of one tensor whose gradients are summed in a given order (left fold,
+    ``None`` skipped, each made contiguous as it would be had it crossed a cut)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fold: tuple[int, ...]):
+        ctx.set_materialize_grads(False)
+        ctx.fold = fold
+        return tuple(x.view_as(x) for _ in fold)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        acc = None
+        for k in ctx.fold:
+            g = grads[k]
+            if g is not None:
+                g = g.contiguous()
+                acc = g if acc is None else acc + g
+        return acc, None
+
+
 class SliceRun:
     """One micro-batch on one slice: ``forward`` records, ``backward`` consumes the record.
 
-    A run of ops where each output has exactly one consumer runs as one autograd graph, and
-    its backward is one autograd call (``leaner``: one call per slice for a chain instead of
-    one per op). Tensors with several consumers, and the slice's inputs, are detached leaves:
-    their gradient is summed in the fixed order (consumers in reverse topological order,
-    arguments left to right) that makes any cut of the subnet compute the same bits. A
-    gradient flowing through a fused link is made contiguous, as one arriving across a cut is.
+    The slice is one autograd graph and its backward one autograd call: a tensor used once
+    flows straight to its consumer; a tensor used several times is split into aliases whose
+    gradients are summed in the fixed order (:class:`_Wiring`) that makes any cut of the
+    subnet compute the same bits; the slice's inputs are leaves, their gradients what the
+    stage before continues from. A gradient flowing through a single-use link is made
+    contiguous, as one arriving across a cut is.
     """
 
     def __init__(
@@ -136,55 +169,72 @@ class SliceRun:
         self.slice = sl
         self._module = module
         self._ctx = ctx
-        self._records: list[tuple[ActiveOp, list[torch.Tensor | None], torch.Tensor]] | None = None
+        self._record: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
 
     def forward(self, inputs: Sequence[torch.Tensor], grad: bool = True) -> list[torch.Tensor]:
         sl = self.slice
         if len(inputs) != len(sl.inputs):
             raise SupernetError(f"slice forward: expected {len(sl.inputs)} inputs {sl.inputs}, found {len(inputs)}")
-        env = dict(zip(sl.inputs, inputs))
-        records = []
-        links = _links(sl).nodes if grad else frozenset()
-        with torch.set_grad_enabled(grad):
+        if not grad:
+            env = dict(zip(sl.inputs, inputs))
+            with torch.no_grad():
+                for op in sl.ops:
+                    env[op.node] = run_op(self._module(op.op_id), [env[src] for src in op.inputs], self._ctx(op.op_id))
+            self._record = None
+            return [env[nd] for nd in sl.outputs]
+        wiring = _wiring(sl)
+        aliases: dict[str, list[torch.Tensor]] = {}
+        env: dict[str, torch.Tensor] = {}
+
+        def bind(nd: str, t: torch.Tensor) -> None:
+            fold = wiring.fan.get(nd)
+            if fold is not None and t.requires_grad:
+                aliases[nd] = list(_FanOut.apply(t, fold))[::-1]  # popped in forward order
+            else:
+                env[nd] = t
+
+        def take(nd: str) -> torch.Tensor:
+            stack = aliases.get(nd)
+            return stack.pop() if stack else env[nd]
+
+        leaves = [_leaf(nd, t) for nd, t in zip(sl.inputs, inputs)]
+        with torch.enable_grad():
+            for nd, t, lf in zip(sl.inputs, inputs, leaves):
+                bind(nd, lf if lf is not None else t)
             for op in sl.ops:
-                if grad:
-                    leaves = [None if src in links else _leaf(src, env[src]) for src in op.inputs]
-                    args = [lf if lf is not None else env[src] for lf, src in zip(leaves, op.inputs)]
-                else:
-                    leaves, args = [], [env[src] for src in op.inputs]
-                out = run_op(self._module(op.op_id), args, self._ctx(op.op_id))
-                env[op.node] = out
-                if grad:
-                    if op.node in links and out.requires_grad:
-                        out.register_hook(_contiguous)
-                    records.append((op, leaves, out))
-        self._records = records if grad else None
-        return [env[nd] for nd in sl.outputs]
+                out = run_op(self._module(op.op_id), [take(src) for src in op.inputs], self._ctx(op.op_id))
+                if op.node in wiring.links and out.requires_grad:
+                    out.register_hook(_contiguous)
+                bind(op.node, out)
+            outs = [take(nd) for nd in sl.outputs]
+        self._record = (leaves, outs)
+        return outs
 
     def backward(self, out_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backward through the slice given the gradients of its outputs; returns the
         gradients of its inputs (``None`` where no gradient flows). Frees the record."""
-        if self._records is None:
+        leaves, outs = self._take_record()
+        roots = [(o, g) for o, g in zip(outs, out_grads) if g is not None and o.requires_grad]
+        if roots:
+            torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
+        return [None if lf is None else lf.grad for lf in leaves]
+
+    def backward_loss(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
+        """Backward from a loss computed on this slice's outputs (the last stage): the loss
+        is part of the slice's graph, so this is the one autograd call of the micro-batch."""
+        leaves, _ = self._take_record()
+        torch.autograd.backward(loss)
+        return [None if lf is None else lf.grad for lf in leaves]
+
+    def _take_record(self):
+        if self._record is None:
             raise SupernetError("slice backward: no forward with grad=True to go back through")
-        sl = self.slice
-        links = _links(sl).nodes
-        acc: dict[str, torch.Tensor] = {nd: g for nd, g in zip(sl.outputs, out_grads) if g is not None}
-        for op, leaves, out in reversed(self._records):
-            if op.node not in links:
-                # the end of a fused run: every consumer of its output is done, so the sum is whole
-                g = acc.pop(op.node, None)
-                if g is None or not out.requires_grad:
-                    continue
-                torch.autograd.backward(out, g)
-            for src, leaf in zip(op.inputs, leaves):
-                if leaf is not None and leaf.grad is not None:
-                    acc[src] = acc[src] + leaf.grad if src in acc else leaf.grad
-        self._records = None
-        return [acc.get(nd) for nd in sl.inputs]
+        record, self._record = self._record, None
+        return record
 
 
-def _contiguous(g: torch.Tensor) -> torch.Tensor:
-    return g.contiguous()
+def _contiguous(g: torch.Tensor | None) -> torch.Tensor | None:
+    return None if g is None else g.contiguous()  # None: no gradient reached this tensor
 
 
 def _leaf(src: str, t: torch.Tensor) -> torch.Tensor | None:
