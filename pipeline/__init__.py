@@ -32,16 +32,13 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
     """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
     RANK/WORLD_SIZE is set), else one pipeline stage per rank. ``failure_dir`` (the run
     directory's ``failures/``) is where a failing rank leaves the note its peers quote.
-    ``memory``: the tensor manager's device budget (the reference engine only, so far).
+    ``memory``: the tensor manager's device budget (per process: per stage under torchrun).
     ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them)."""
     env = env if env is not None else dist_env()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if env is None:
         return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps)
-    if memory is not None and memory.virtual:
-        raise ValueError("memory.device_budget_bytes: the pipelined engine does not use the virtualized tensor "
-                         "manager yet; set it to null under torchrun, or run in one process")
     from .runtime import PipelineEngine
 
     return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
-                          trace_steps=trace_steps)
+                          trace_steps=trace_steps, memory=memory)

@@ -43,6 +43,7 @@ from .plan.placement import initial_owners
 from .plan.schedule import Schedule, build as build_schedule, validate
 from .settings import DistEnv, PipelineSettings
 from .stage import StageExecutor
+from .memory_settings import MemorySettings
 from .tensors import OptimConfig, TensorManager
 from .trace import Span, Tracer
 from .transport import Transport
@@ -73,7 +74,7 @@ class PipelineEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                  settings: PipelineSettings, env: DistEnv, device: torch.device,
                  failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None,
-                 trace_steps: Iterable[int] = ()) -> None:
+                 trace_steps: Iterable[int] = (), memory: MemorySettings | None = None) -> None:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
@@ -101,8 +102,10 @@ class PipelineEngine:
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, microbatches)
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)
+        # ``memory``: with a device budget this stage's ops live in host memory behind a bounded
+        # device arena, fetched ahead from the plans of the coming steps (pipeline/tensors.py)
         self.tensors = TensorManager(graph, seed, optim, self.device,
-                                     own=[op for op, s in self.owners.items() if s == self.rank])
+                                     own=[op for op, s in self.owners.items() if s == self.rank], memory=memory)
         self.stats = StepStats()
         fd = failure_dir if failure_dir is not None else os.environ.get("PIPENAS_FAILURE_DIR")
         self.failures = FailureReporter(self.rank, self.schedule, Path(fd) if fd else None,
@@ -157,13 +160,18 @@ class PipelineEngine:
 
     def _prepare_next(self, current: Plan) -> None:
         """Fix the next step's plan (made ahead a step ago, in the background), start its check
-        and the moves that can go now, and plan the subnets after it."""
+        and the moves that can go now, plan the subnets after it, and tell the tensor manager
+        which of this stage's ops the step and the next one use."""
         upcoming = self.planner.upcoming
+        mine = [frozenset(op.op_id for op in current.slices[self.rank].ops)]
         if upcoming and self.migrator.early_transport is not None:
             nxt = self.planner.planned(upcoming[0], self.owners, current.arch)
             self.planner.committed = nxt
             self.agreement.post(nxt)
             self.migrator.start_ahead(nxt.active, nxt.partition.bounds, (op.op_id for op in current.active))
+            mine.append(frozenset(op.op_id for op in nxt.slices[self.rank].ops))
+        self.tensors.prefetch(mine)  # ops this rank does not own (yet) are ignored
+        self.tensors.ensure(mine[0])
         self.planner.start_ahead(self.owners, self._last_arch)
 
     # -- training --------------------------------------------------------------------------
@@ -189,12 +197,13 @@ class PipelineEngine:
         with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
             a0 = time.perf_counter()
             update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses)
+            memory = self.tensors.release_step()
             opt_s = time.perf_counter() - a0
         wall = time.perf_counter() - t0
         st = self.stats
         st.wall_s, st.busy_s, st.max_in_flight, st.wait_s = wall, run.busy_s + opt_s, run.max_in_flight, run.wait_s
         return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
-                          st.migrated_ops + st.early_migrated_ops, st.migrated_bytes)
+                          st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory)
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -213,8 +222,13 @@ class PipelineEngine:
             plan = self._take_plan(-1, arch, checked)
         with self.failures.failing(-1, "migrate"):
             self._migrate(-1, plan)
-        return evaluate_stage(plan.slices[self.rank], self.rank, self.num_stages, self.seed, self.tensors.module,
-                              self.transport, self.failures, batches, calib, self.device)
+        mine = plan.slices[self.rank]
+        self.tensors.ensure([op.op_id for op in mine.ops])
+        try:
+            return evaluate_stage(mine, self.rank, self.num_stages, self.seed, self.tensors.module,
+                                  self.transport, self.failures, batches, calib, self.device)
+        finally:
+            self.tensors.release_step(advance=False)
 
     # -- state -----------------------------------------------------------------------------
     def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
@@ -245,6 +259,7 @@ class PipelineEngine:
         if ok:
             self.agreement.read()
         self.migrator.close(wait=ok)
+        self.tensors.close()
         if dist.is_initialized():
             if ok:
                 dist.barrier()

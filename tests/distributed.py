@@ -44,6 +44,7 @@ class Scenario:
     save: str = ""  # where rank 0 saves the final op states
     extra: dict = field(default_factory=dict)
     plan_ahead: bool = True  # give the engine the next subnets, as the app does with the sampler's peek
+    memory: dict = field(default_factory=dict)  # MemorySettings fields (a device budget per stage)
     diverge_rank: int = -1  # this rank samples another arch stream from step ``diverge_at`` on
     diverge_at: int = 0
 
@@ -67,11 +68,13 @@ def arch_stream(graph, seed: int, n: int):
 
 def make_engine(sc: Scenario, graph, env=None):
     from pipeline import LrSchedule, OptimConfig, PipelineSettings, create_engine
+    from pipeline.memory_settings import MemorySettings
 
     optim = OptimConfig(name=sc.optimizer, lr=0.05 if sc.optimizer == "sgd" else 3e-3, momentum=0.9, weight_decay=1e-4)
     lr = LrSchedule(optim.lr, sc.steps, "cosine", warmup_steps=1)
     settings = PipelineSettings(schedule=sc.schedule, planner=sc.planner, timeout_s=30.0, **sc.extra)
-    return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env)
+    memory = MemorySettings(**sc.memory) if sc.memory else None
+    return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env, memory=memory)
 
 
 def run_scenario(sc: Scenario, env=None) -> dict:
@@ -86,6 +89,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
+    resident_peak, evictions = 0, 0
     for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
         x, y = step_data(sc.seed, step, sc.batch)
         if sc.plan_ahead:
@@ -98,6 +102,8 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         mb_losses.append(list(r.microbatch_losses))
         migrated += r.migrated_ops
         peaks = max(peaks, getattr(getattr(engine, "stats", None), "max_in_flight", 0))
+        if r.memory is not None:
+            resident_peak, evictions = max(resident_peak, r.memory.resident_bytes_peak), evictions + r.memory.evictions
     evals = []
     for i in range(sc.eval_archs):
         xv, yv = step_data(sc.seed + 7, i, sc.batch)
@@ -110,7 +116,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     return {
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
-        "migrated": migrated, "peak_in_flight": peaks, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "engine": engine,
     }
 
@@ -135,6 +141,9 @@ def _worker() -> None:
         peaks = [None] * world
         dist.all_gather_object(peaks, engine.stats.max_in_flight)
         res["peak_in_flight"] = peaks
+        mem: list = [None] * world
+        dist.all_gather_object(mem, (res["resident_peak"], res["evictions"]))
+        res["resident_peak"], res["evictions"] = [m[0] for m in mem], [m[1] for m in mem]
         results.append(res)
     if rank == 0:
         tmp = Path(spec["out"]).with_suffix(".tmp")
