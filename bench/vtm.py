@@ -265,8 +265,8 @@ def hide_threshold(rows: list[dict], share: float = 0.02) -> list[dict]:
             hidden = tokens
         out.append({"bench": "vtm_hide_threshold", "P": key[0], "oversubscription": key[1], "placement": key[2],
                      "host_link_GBps": key[3], "stall_share_limit": share, "hidden_from_tokens_per_step": hidden,
-                     "sweep": [{"tokens_per_step": t, "stall_share": round(st, 4), "belady_over_all_resident": round(x, 4)}
-                               for t, st, x in pts]})
+                     "sweep": [{"tokens_per_step": t, "stall_share": round(st, 4),
+                                "belady_over_all_resident": round(x, 4)} for t, st, x in pts]})
     return out
 
 

@@ -73,15 +73,14 @@ def test_swap_hides_behind_compute_and_recompute_when_it_cannot() -> None:
 
 
 def test_early_stages_need_more_help_under_1f1b() -> None:
-    rng = np.random.default_rng(3)
     P, M = 4, 8
     ops = tuple(OpCost(f"op{k}", 1e-3, 2e-3, 0, 0, 4000) for k in range(8))
     problem = PartitionProblem(ops, tuple([1000] * 9), P, M, "1f1b")
     bounds = (0, 2, 4, 6, 8)
-    plans = [stage_activation_plan(problem, bounds, s, budget=3 * 2 * 4000 + 3000, host_bandwidth=1e6) for s in range(P)]
+    plans = [stage_activation_plan(problem, bounds, s, budget=3 * 2 * 4000 + 3000, host_bandwidth=1e6)
+             for s in range(P)]
     assert [p.added_s > 0 for p in plans] == [True, False, False, False]
     assert in_flight("1f1b", P, M) == (4, 3, 2, 1)
-    del rng
 
 
 def test_infeasible_budget_names_the_shortfall() -> None:

@@ -279,7 +279,8 @@ def test_managed_memory_formula(seed: int) -> None:
                     least = min_activation_memory(ops, inputs[:len(ops)], F[s], base.cut_bytes[bounds[s]])
                     # an achievable plan's memory: at least the least one, at most keeping everything
                     assert state + least + reserve <= part.stage_memory[s] + 1
-                    assert part.stage_memory[s] <= int(state + keep + reserve) + max((op.act_bytes for op in ops), default=0)
+                    transient = max((op.act_bytes for op in ops), default=0)
+                    assert part.stage_memory[s] <= int(state + keep + reserve) + transient
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -319,14 +320,12 @@ def test_managed_memory_default_unchanged_and_shortfall() -> None:
     dev = solve(_managed(problem, ManagedMemory("device", "keep")))
     host = solve(_managed(problem, ManagedMemory("host", "auto")))
     assert max(host.stage_memory) < max(dev.stage_memory)
-    need = max(host.stage_memory)
     budget = 0.5 * min(solve(_managed(problem, ManagedMemory("host", "auto"),
                                       (math.inf,) * 3)).stage_memory)
     with pytest.raises(PartitionError, match=r"short by .* MiB \(\d+ bytes\)") as e:
         solve(_managed(problem, ManagedMemory("device", "keep"), (budget,) * 3))
     assert e.value.short_by > 0
     assert "optimizer='host'" in str(e.value) and "activations='auto'" in str(e.value)
-    del need
     with pytest.raises(PartitionError, match="ManagedMemory.optimizer: expected 'device' or 'host'"):
         ManagedMemory("gpu")
     with pytest.raises(PartitionError, match=r"ManagedMemory.reserve: expected 3 values"):

@@ -114,7 +114,7 @@ def test_rejects_bad_costs_and_schedules() -> None:
 # ------------------------------------------------------------------------------ host channels
 
 
-def _links(P: int, h2d: float = 1.0, d2h: float = 1.0, host: float | None = None, **free) -> "HostLinks":
+def _links(P: int, h2d: float = 1.0, d2h: float = 1.0, host: float | None = None, **free):
     from pipeline.plan.simulate import HostLinks
     return HostLinks((h2d,) * P, (d2h,) * P, None if host is None else (host,) * P, **free)
 

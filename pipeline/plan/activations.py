@@ -126,7 +126,8 @@ def _check(ops: Sequence[OpCost], input_bytes: Sequence[int], in_flight_: int, n
         raise ActivationError(f"overlap: expected a finite non-negative number of seconds, found {overlap!r}")
     bad = [c for c in allowed if c not in CHOICES]
     if bad or "keep" not in allowed:
-        raise ActivationError(f"allowed: expected choices among {list(CHOICES)} including 'keep', found {list(allowed)}")
+        raise ActivationError(f"allowed: expected choices among {list(CHOICES)} including 'keep', "
+                              f"found {list(allowed)}")
 
 
 def plan_activations(

@@ -193,7 +193,8 @@ class PartitionProblem:
                                          f"number of bytes (math.inf for unlimited), found {b}")
         if self.memory is not None:
             if not isinstance(self.memory, ManagedMemory):
-                raise PartitionError(f"PartitionProblem.memory: expected a ManagedMemory or None, found {self.memory!r}")
+                raise PartitionError(f"PartitionProblem.memory: expected a ManagedMemory or None, "
+                                     f"found {self.memory!r}")
             self.memory.reserves(self.num_stages)
 
     @property
