@@ -20,13 +20,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from supernet import Arch, SupernetGraph, build_op
+from supernet.activations import ActivationPolicy
 
 if TYPE_CHECKING:
     from .memory import MemoryStats
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
-    "split_batch", "update",
+    "split_batch", "update", "activation_policy",
 ]
 
 
@@ -116,6 +117,18 @@ def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequenc
         return True
     tensors.zero_grad()
     return False
+
+
+def activation_policy(memory, sl) -> ActivationPolicy | None:
+    """The activation choice of every op of ``sl`` under ``memory.activations`` (None: keep all).
+    ``keep``, ``swap`` and ``recompute`` apply to every op."""
+    mode = getattr(memory, "activations", "keep")
+    if mode == "keep":
+        return None
+    if mode == "auto":
+        raise ValueError("memory.activations: 'auto' (planned per op) is not wired into the engines yet; "
+                         "expected 'keep', 'swap' or 'recompute'")
+    return ActivationPolicy({op.op_id: mode for op in sl.ops})
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

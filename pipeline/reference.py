@@ -20,6 +20,7 @@ from supernet import Arch, OpContext, SliceRun, SupernetGraph, classification_lo
 from supernet.execute import whole_slice
 
 from .trace import Span, Tracer
+from .engine import activation_policy
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch, update
 from .memory_settings import MemorySettings
 from .tensors import OptimConfig, TensorManager
@@ -86,8 +87,9 @@ class ReferenceEngine:
         batch = x.shape[0]
         losses = []
         span = self.tracer.span
+        policy = self.last_policy = activation_policy(self.tensors.memory, sl)  # memory.activations
         for mb, (xm, ym) in enumerate(split_batch(x.to(self.device), y.to(self.device), self.microbatches)):
-            run = SliceRun(sl, self.tensors.module, self._ctx(step, mb, True))
+            run = SliceRun(sl, self.tensors.module, self._ctx(step, mb, True), policy)
             with span(step, f"0F{mb}", "forward"):
                 (out,) = run.forward([xm])
                 loss = classification_loss(out, ym, batch)  # in the graph: one backward call

@@ -34,6 +34,7 @@ from supernet import Arch, SupernetGraph
 
 from .agreement import Agreement, AgreementError
 from .evaluation import evaluate_stage
+from .engine import activation_policy
 from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, split_batch, update
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
@@ -68,6 +69,8 @@ class StepStats:
     early_migrated_ops: int = 0  # ops that moved during the previous step, off the critical path
     planned_ahead: bool = False
     bounds: tuple[int, ...] = ()  # the partition of the last step (or evaluation)
+    swapped_bytes: int = 0  # activations swapped to host memory (memory.activations)
+    recomputed_ops: int = 0  # op forwards whose activations were recomputed in the backward
 
 
 class PipelineEngine:
@@ -192,7 +195,8 @@ class PipelineEngine:
             self.stats.early_migrated_ops = early
             self._prepare_next(plan)
         mine = plan.slices[self.rank]
-        losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, self.tensors.module)
+        policy = activation_policy(self.tensors.memory, mine)
+        losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, self.tensors.module, policy)
         mb_losses = tuple(losses.tolist())  # the step's one host read, after its last action
         with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
             a0 = time.perf_counter()
@@ -202,6 +206,7 @@ class PipelineEngine:
         wall = time.perf_counter() - t0
         st = self.stats
         st.wall_s, st.busy_s, st.max_in_flight, st.wait_s = wall, run.busy_s + opt_s, run.max_in_flight, run.wait_s
+        st.swapped_bytes, st.recomputed_ops = (policy.swapped_bytes, policy.recomputed_ops) if policy else (0, 0)
         return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
                           st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory)
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from supernet import OpContext, Slice, SliceRun, classification_loss
+from supernet.activations import ActivationPolicy
 
 from .failures import FailureReporter
 from .plan.schedule import Action, Schedule
@@ -49,7 +50,8 @@ class StageExecutor:
                        if (a.kind == "F" and rank > 0) or (a.kind == "B" and rank < self.last)]
 
     def run(self, step: int, sl: Slice, wires: WireSpecs | None, mbs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            batch: int, module: Callable[[str], nn.Module]) -> tuple[torch.Tensor | None, StageRun]:
+            batch: int, module: Callable[[str], nn.Module],
+            policy: ActivationPolicy | None = None) -> tuple[torch.Tensor | None, StageRun]:
         """Run the step's actions; returns the micro-batch losses (a device tensor on every rank,
         read by the caller after the step: every rank decides alike whether to update) and this
         stage's figures."""
@@ -102,7 +104,7 @@ class StageExecutor:
                     stats.wait_s += time.perf_counter() - w0
                 a0 = time.perf_counter()
                 if action.kind == "F":
-                    run = SliceRun(sl, module, ctx(m))
+                    run = SliceRun(sl, module, ctx(m), policy)
                     outs = run.forward([mbs[m][0]] if rank == 0 else got)
                     runs[m] = run
                     stats.max_in_flight = max(stats.max_in_flight, len(runs))

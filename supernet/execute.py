@@ -25,6 +25,7 @@ from torch import nn
 
 from .errors import SupernetError
 from .graph import INPUT, ActiveOp, SupernetGraph
+from .activations import ActivationPolicy, run_with_policy
 from .ops import OpContext, run_op
 from .space import Arch
 
@@ -165,10 +166,13 @@ class SliceRun:
         sl: Slice,
         module: Callable[[str], nn.Module],
         ctx: Callable[[str], OpContext],
+        policy: ActivationPolicy | None = None,
     ) -> None:
+        # ``policy``: per op, keep, swap or recompute its saved activations (None: keep all)
         self.slice = sl
         self._module = module
         self._ctx = ctx
+        self._policy = policy
         self._record: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
 
     def forward(self, inputs: Sequence[torch.Tensor], grad: bool = True) -> list[torch.Tensor]:
@@ -202,7 +206,8 @@ class SliceRun:
             for nd, t, lf in zip(sl.inputs, inputs, leaves):
                 bind(nd, lf if lf is not None else t)
             for op in sl.ops:
-                out = run_op(self._module(op.op_id), [take(src) for src in op.inputs], self._ctx(op.op_id))
+                out = run_with_policy(self._module(op.op_id), [take(src) for src in op.inputs], self._ctx(op.op_id),
+                                      self._policy)
                 if op.node in wiring.links and out.requires_grad:
                     out.register_hook(_contiguous)
                 bind(op.node, out)

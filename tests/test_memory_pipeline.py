@@ -52,3 +52,35 @@ def test_budgeted_stages_compute_the_reference_bits_within_their_budget(stages: 
         assert all(0 < p <= budget for p in got["resident_peak"]), f"{label}: {got['resident_peak']} vs {budget}"
         assert sum(got["evictions"]) > 0, f"{label}: the budget should force evictions"
         assert got["migrated"] > 0, f"{label}: ops should migrate"
+
+
+SWAPPED = [
+    Scenario("transformer", "1f1b", steps=3, extra=MIGRATING, memory={"activations": "swap"}),
+    Scenario("conv", "gpipe", steps=3, memory={"activations": "recompute"}),  # batch norm: swapped instead
+    Scenario("cell", "1f1b", steps=3, optimizer="adamw", memory={"activations": "recompute"}),
+    Scenario("transformer", "gpipe", steps=3, memory={"activations": "recompute"}),  # dropout: derived randomness
+]
+
+
+@functools.lru_cache(maxsize=None)
+def kept(i: int) -> dict:
+    torch.set_num_threads(1)
+    res = run_scenario(Scenario(**{**SWAPPED[i].__dict__, "memory": {}}))
+    res.pop("engine")
+    return res
+
+
+def test_swapped_and_recomputed_activations_compute_the_same_bits_in_one_process() -> None:
+    for i, sc in enumerate(SWAPPED):
+        res = run_scenario(sc)
+        policy = res.pop("engine").last_policy
+        assert res["losses"] == kept(i)["losses"] and res["digest"] == kept(i)["digest"], sc
+        assert policy.swapped_bytes > 0 or policy.recomputed_ops > 0, sc
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_swapped_and_recomputed_activations_compute_the_same_bits_in_stages(stages: int) -> None:
+    results, _, _ = spawn(stages, SWAPPED, timeout_s=300)
+    for i, (sc, got) in enumerate(zip(SWAPPED, results)):
+        assert got["losses"] == kept(i)["losses"] and got["mb_losses"] == kept(i)["mb_losses"], sc
+        assert got["digest"] == kept(i)["digest"], sc
