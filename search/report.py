@@ -96,7 +96,7 @@ def _loss_lr(plt: Any, metrics: list[dict], path: Path) -> None:
     for i, s in enumerate(bad):
         ax.axvline(s, color="tab:red", alpha=0.6, lw=1, label="non-finite loss" if i == 0 else None)
     ax.set_xlabel("training step")
-    ax.set_ylabel("training loss (cross-entropy, sum over micro-batches)")
+    ax.set_ylabel("training loss (cross-entropy, batch mean)")
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
     ax2.plot(steps, [m["lr"] for m in metrics], color="tab:orange", label="learning rate")
@@ -135,7 +135,10 @@ def _search_progress(plt: Any, logs: dict[str, list[dict]], population: int | No
             if not e.get("nonfinite") and e["val_accuracy"] is not None:
                 best = max(best, e["val_accuracy"])
             ys.append(best if best > -math.inf else math.nan)
-        ax.step(range(1, len(ys) + 1), ys, where="post", label=f"{algorithm} (best {best:.4f})")
+        # evolution solid on top, the baseline dashed: they share generation 0 (the same seeded draws)
+        evo = algorithm == "evolution"
+        ax.step(range(1, len(ys) + 1), ys, where="post", label=f"{algorithm} (best {best:.4f})",
+                lw=2.2 if evo else 1.4, ls="-" if evo else "--", zorder=3 if evo else 2)
         ends = [i + 1 for i, e in enumerate(entries[:-1]) if entries[i + 1]["generation"] != e["generation"]]
         if algorithm == "evolution":
             ax.plot(ends, [ys[i - 1] for i in ends], "o", ms=4, color=ax.lines[-1].get_color(),
@@ -175,7 +178,7 @@ def _stages(plt: Any, trace: dict, path: Path) -> None:
     table = busy_and_bubble(spans_from_chrome(trace))
     ranks = sorted({r for per in table.values() for r in per})
     steps = sorted(table)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(steps) * len(ranks)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(steps) * len(ranks)), 4.5))
     width = 0.8 / max(1, len(ranks))
     for k, r in enumerate(ranks):
         xs = [i + (k - (len(ranks) - 1) / 2) * width for i in range(len(steps))]
@@ -185,8 +188,8 @@ def _stages(plt: Any, trace: dict, path: Path) -> None:
         ax.bar(xs, bubble, width, bottom=busy, label=f"rank {r} bubble", color=f"C{k}", alpha=0.3, hatch="//")
     ax.set_xticks(range(len(steps)), [f"step {s}" for s in steps])
     ax.set_ylabel("time in the step (ms)")
-    ax.set_title("Pipeline stages per traced step: busy (forward, backward, optimizer) and bubble")
-    ax.legend(loc="upper right", fontsize=8, ncol=max(1, len(ranks)))
+    ax.set_title("Pipeline stages per traced step\nbusy: forward, backward, optimizer; bubble: the rest of the step")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # outside: short bars stay visible
     ax.grid(alpha=0.3, axis="y")
     _save(fig, path)
 
