@@ -357,8 +357,13 @@ class VirtualStore:
             if victim is None:
                 if limit is not None:
                     return None
-                raise self._budget_error(f"op {rec.op_id!r} with the ops pinned now (no region fits: fragmented "
-                                         f"around {len(self.in_use)} ops in use)", self.arena.used + n)
+                pinned = sum(self.ops[o].nbytes for o in self.pinned)
+                free = self.arena.capacity - self.arena.used
+                raise MemoryBudgetError(
+                    f"memory.device_budget_bytes: no region of {n} bytes for op {rec.op_id!r}: {free} bytes are free "
+                    f"but split around {len(self.in_use)} ops already in use this step (the step's ops take "
+                    f"{pinned} bytes of a budget of {self.arena.capacity}); ensure() a step's ops before using "
+                    "any of them, or raise memory.device_budget_bytes", pinned, self.arena.capacity)
             self._evict(victim)
 
     def _compact(self, need: int, drain: bool) -> bool:
