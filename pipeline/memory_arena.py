@@ -42,6 +42,9 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+_TEMPLATES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 @dataclass(frozen=True)
 class Slot:
     """One tensor of an op: ``kind`` is ``param``, ``buffer`` or ``optim``; ``index`` the
@@ -63,8 +66,12 @@ class Slot:
         version counter, so an in-place update of one op's batch-norm statistics would look
         like a change to every weight saved for the backward."""
         start = buf.storage_offset() + base + self.offset
-        t = torch.empty(0, dtype=self.dtype, device=buf.device)
-        return t.set_(buf.untyped_storage(), start // self.dtype.itemsize, self.shape, self.stride)
+        key = (self.dtype, buf.device)
+        tmpl = _TEMPLATES.get(key)
+        if tmpl is None:
+            tmpl = _TEMPLATES[key] = torch.empty(0, dtype=self.dtype, device=buf.device)
+        # tmpl.new(): a fresh empty tensor (own version counter), 3x cheaper than torch.empty
+        return tmpl.new().set_(buf.untyped_storage(), start // self.dtype.itemsize, self.shape, self.stride)
 
 
 @dataclass(frozen=True)
