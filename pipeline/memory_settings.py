@@ -43,7 +43,7 @@ class MemorySettings:
     host_memory: str = "pinned"
     policy: str = "belady"
     prefetch_depth: int = 2
-    max_in_flight: int = 4
+    max_in_flight: int = 16
     activations: str = "keep"
     optimizer: str = "device"
 

@@ -336,6 +336,31 @@ class VirtualStore:
             lru = cands
         return min(lru, key=lambda r: r.last_use) if lru else None
 
+    def _hole_victim(self, n: int, limit: float | None, keep: Collection[str]) -> OpPlacement | None:
+        """Belady: among the ops its rule ranks first (the same next use, the furthest), one
+        whose region with the free bytes around it holds ``n`` bytes (least recently used
+        first): evicting it costs no more than evicting the rule's own choice, and it spares
+        moving other ops' bytes around (compaction)."""
+        if self.settings.policy != "belady":
+            return None
+        cands = [r for r in self.ops.values()
+                 if r.state == RESIDENT and r.nbytes and r.op_id not in self.pinned and r.op_id not in keep]
+        if not cands:
+            return None
+        far = max(self._next_use(r.op_id) for r in cands)
+        if limit is not None and not far > limit:
+            return None
+        gap_end = {off + size: size for off, size in self.arena.gaps()}  # gap that ends at an offset
+        gap_start = dict(self.arena.gaps())  # offset -> size of the gap starting there
+        fits = []
+        for r in cands:
+            if self._next_use(r.op_id) != far:
+                continue
+            off, size = self.arena.regions[r.op_id]
+            if gap_end.get(off, 0) + size + gap_start.get(off + size, 0) >= n:
+                fits.append(r)
+        return min(fits, key=lambda r: r.last_use) if fits else None
+
     def _make_room(self, rec: OpPlacement, limit: float | None, keep: Collection[str] = ()) -> int | None:
         """Place ``rec`` in the arena, evicting as the policy says; ``None`` when a prefetch
         (``limit`` set) would have to evict something needed sooner."""
@@ -344,6 +369,10 @@ class VirtualStore:
             off = self.arena.allocate(rec.op_id, n)
             if off is not None:
                 return off
+            hole = self._hole_victim(n, limit, keep)
+            if hole is not None:
+                self._evict(hole)
+                continue
             # Compacting moves resident ops on this thread after draining the copies: only for
             # a fetch the step waits for anyway, or between steps (nothing in use).
             compactable = limit is None or not self.in_use
