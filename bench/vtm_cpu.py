@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--setting", action="append", choices=sorted(SETTINGS), help="default: all")
     ap.add_argument("--policy", default="belady", choices=("belady", "lru", "on_demand"))
     ap.add_argument("--budget-scale", type=float, default=1.0, help="budget = scale x the largest subnet")
+    ap.add_argument("--cpu-copies", default="thread", choices=("thread", "inline"),
+                    help="memory.cpu_copies: a background copy thread, or copies on the calling thread")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         supernet_bytes, largest = footprints(base)
         budget = int(largest * args.budget_scale)
         modes = {"resident": base,
-                 "budget": [*base, f"memory.device_budget_bytes={budget}", f"memory.policy={args.policy}"]}
+                 "budget": [*base, f"memory.device_budget_bytes={budget}", f"memory.policy={args.policy}",
+                            f"memory.cpu_copies={args.cpu_copies}"]}
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(args.rounds):
             order = list(modes) if r % 2 == 0 else list(reversed(modes))
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         mem = runs["budget"][0]["memory"]
         out = {
             "kind": "summary", "setting": name, "device": args.device, "policy": args.policy,
+            "cpu_copies": args.cpu_copies if args.device == "cpu" else None,
             "supernet_bytes": supernet_bytes, "largest_subnet_bytes": largest, "budget_bytes": budget,
             "oversubscription": round(supernet_bytes / budget, 2), "rounds": args.rounds,
             "step_s_median_resident": statistics.median(x["step_s_median"] for x in runs["resident"]),

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Slot", "OpLayout", "Arena", "Handle", "Copier", "ThreadCopier", "CudaCopier", "make_copier",
+__all__ = ["Slot", "OpLayout", "Arena", "Handle", "Copier", "ThreadCopier", "InlineCopier", "CudaCopier", "make_copier",
            "host_buffer", "alignment_for", "COPY_TIMEOUT_S"]
 
 COPY_TIMEOUT_S = 300.0  # a copy that takes longer than this is a hang, not a slow link
@@ -306,5 +306,32 @@ class CudaCopier:
         self.stream.synchronize()
 
 
-def make_copier(device: torch.device) -> Copier:
-    return CudaCopier(device) if device.type == "cuda" else ThreadCopier()
+class _Done:
+    def wait(self) -> None: ...
+
+    synchronize = wait
+
+    def done(self) -> bool:
+        return True
+
+
+class InlineCopier:
+    """Copies on the calling thread, at once (CPU only: ``memory.cpu_copies=inline``).
+
+    On a CPU the "device" is host memory, so a background thread cannot overlap a copy with
+    anything but the compute it competes with for cores, memory bandwidth and the GIL; on the
+    2-core bench machine the thread cost more than it hid (bench/RESULTS.md)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Handle:
+        dst.copy_(src)
+        return _Done()
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_copier(device: torch.device, cpu_copies: str = "thread") -> Copier:
+    if device.type == "cuda":
+        return CudaCopier(device)
+    return InlineCopier() if cpu_copies == "inline" else ThreadCopier()

@@ -18,6 +18,9 @@ tensor manager. ``optimizer``: where the optimizer state lives and is updated: `
 per parameter each way, weights and both moments) or ``host`` (it stays in the op's host
 home and the host updates it: 4 bytes of weights per parameter go to the device, 4 of
 gradients come back, and the device copy is stale after each step, so every use fetches).
+``cpu_copies`` (CPU only): ``thread`` copies on a background thread (the CPU stand-in for a
+CUDA side stream), ``inline`` on the calling thread (on a CPU both tiers are host memory, and
+on a small machine the thread costs more than it hides).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ HOST_MEMORY = ("pageable", "pinned", "shared")
 POLICIES = ("belady", "lru", "on_demand")
 ACTIVATIONS = ("keep", "swap", "recompute", "auto")
 OPTIMIZER_PLACEMENTS = ("device", "host")
+CPU_COPIES = ("thread", "inline")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class MemorySettings:
     max_in_flight: int = 16
     activations: str = "keep"
     optimizer: str = "device"
+    cpu_copies: str = "thread"
 
     @property
     def virtual(self) -> bool:
@@ -86,5 +91,7 @@ class MemorySettings:
                 raise ValueError(f"memory.{name}: expected an integer >= {lo}, found {v!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"memory.activations: expected one of {list(ACTIVATIONS)}, found {self.activations!r}")
+        if self.cpu_copies not in CPU_COPIES:
+            raise ValueError(f"memory.cpu_copies: expected one of {list(CPU_COPIES)}, found {self.cpu_copies!r}")
         if self.optimizer not in OPTIMIZER_PLACEMENTS:
             raise ValueError(f"memory.optimizer: expected one of {list(OPTIMIZER_PLACEMENTS)}, found {self.optimizer!r}")

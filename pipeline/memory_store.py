@@ -59,7 +59,7 @@ class VirtualStore:
         self.host_update = settings.optimizer == "host"
         self.align = alignment_for(device)
         self.arena = Arena(settings.budget_for(device), device, self.align)
-        self.copier = make_copier(device)
+        self.copier = make_copier(device, settings.cpu_copies)
         self.ops: dict[str, OpPlacement] = {}
         self.future: list[frozenset[str]] = []
         self.pinned: set[str] = set()

@@ -103,6 +103,14 @@ def test_the_host_updated_optimizer_computes_the_same_bits(space: str, optim: st
     assert all(st.evictions >= 1 for st in got["steps"])  # the step's ops leave the device
 
 
+def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
+    budget = tight_budget("cell", "adamw")
+    ref = run("cell", "adamw", None)
+    got = run("cell", "adamw", MemorySettings(device_budget_bytes=budget, cpu_copies="inline"), audit=True)
+    assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"]
+    assert got["stats"].late == 0 and all(not a.stray for a in got["audits"])
+
+
 @pytest.mark.parametrize("policy", ["lru", "on_demand"])
 def test_baseline_policies_compute_the_same_bits(policy: str, no_static_check) -> None:
     budget = tight_budget("conv", "sgd")
@@ -145,6 +153,7 @@ def test_an_infeasible_budget_names_the_field_and_the_shortfall() -> None:
     ({"max_in_flight": 0}, "memory.max_in_flight"),
     ({"activations": "drop"}, "memory.activations"),
     ({"optimizer": "cpu"}, "memory.optimizer"),
+    ({"cpu_copies": "dma"}, "memory.cpu_copies"),
 ])
 def test_bad_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
