@@ -26,7 +26,7 @@ from torch import nn
 from .errors import SupernetError
 from .graph import INPUT, ActiveOp, SupernetGraph
 from .activations import ActivationPolicy, run_with_policy
-from .ops import OpContext, run_op
+from .ops import OpContext, OpSpec, build_op, run_op
 from .space import Arch
 
 __all__ = ["Slice", "cut", "live_across", "whole_slice", "SliceRun", "loss_and_grad", "classification_loss"]
@@ -108,6 +108,7 @@ class _Wiring:
 
     links: frozenset[str]
     fan: dict[str, tuple[int, ...]]
+    link_args: tuple[tuple[int, ...], ...]  # per op, the arguments that are links
 
 
 @lru_cache(maxsize=512)
@@ -126,7 +127,8 @@ def _wiring(sl: Slice) -> _Wiring:
         if len(us) > 1:
             fold = sorted(range(len(us)), key=lambda k: (-us[k][0], us[k][1]))  # handed on, then later ops first
             fan[nd] = tuple(fold)
-    return _Wiring(links, fan)
+    link_args = tuple(tuple(j for j, src in enumerate(op.inputs) if src in links) for op in sl.ops)
+    return _Wiring(links, fan, link_args)
 
 
 class _FanOut(torch.autograd.Function):
@@ -205,11 +207,16 @@ class SliceRun:
         with torch.enable_grad():
             for nd, t, lf in zip(sl.inputs, inputs, leaves):
                 bind(nd, lf if lf is not None else t)
-            for op in sl.ops:
-                out = run_with_policy(self._module(op.op_id), [take(src) for src in op.inputs], self._ctx(op.op_id),
-                                      self._policy)
-                if op.node in wiring.links and out.requires_grad:
-                    out.register_hook(_contiguous)
+            for op, link_args in zip(sl.ops, wiring.link_args):
+                args = [take(src) for src in op.inputs]
+                if link_args:
+                    # a gradient that reaches a fused link non-contiguous is made contiguous, as
+                    # one arriving across a cut is; only where this op's backward can make one
+                    contiguous = _grads_contiguous(op, args)
+                    for j in link_args:
+                        if args[j].requires_grad and not contiguous[j]:
+                            args[j].register_hook(_contiguous)
+                out = run_with_policy(self._module(op.op_id), args, self._ctx(op.op_id), self._policy)
                 bind(op.node, out)
             outs = [take(nd) for nd in sl.outputs]
         self._record = (leaves, outs)
@@ -236,6 +243,45 @@ class SliceRun:
             raise SupernetError("slice backward: no forward with grad=True to go back through")
         record, self._record = self._record, None
         return record
+
+
+def _grads_contiguous(op: ActiveOp, args: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    """Per argument, whether ``op``'s backward hands it a contiguous gradient (given a
+    contiguous gradient of its output); measured once per op and argument shapes by a dry run
+    on the meta device, whose tensors carry the same strides. Unknown: False (hook it)."""
+    key = (op.op_id, tuple(a.shape for a in args))
+    hit = _PROBED.get(key)
+    if hit is None:
+        sig = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
+        try:
+            hit = _probe(op.spec, sig)
+        except TypeError:  # a spec with unhashable arguments: assume the worst
+            hit = (False,) * len(args)
+        if len(_PROBED) > 8192:
+            _PROBED.clear()
+        _PROBED[key] = hit
+    return hit
+
+
+_PROBED: dict[tuple, tuple[bool, ...]] = {}
+
+
+@lru_cache(maxsize=4096)
+def _probe(spec: OpSpec, shapes: tuple) -> tuple[bool, ...]:
+    try:
+        with torch.device("meta"):
+            module = build_op(spec, "probe", 0, seeded=False)
+            args = [torch.empty(sh, dtype=dt).requires_grad_(rg) for sh, dt, rg in shapes]
+        seen: dict[int, bool] = {}
+        for i, a in enumerate(args):
+            if a.requires_grad:
+                a.register_hook(lambda g, i=i: seen.__setitem__(i, g.is_contiguous()))
+        out = run_op(module, args, OpContext(0, 0, 0, "probe", True))
+        if out.requires_grad:
+            torch.autograd.backward(out, torch.empty(out.shape, dtype=out.dtype, device="meta"))
+        return tuple(seen.get(i, True) for i in range(len(args)))
+    except Exception:  # an op without meta kernels: hook every link it reads
+        return (False,) * len(shapes)
 
 
 def _contiguous(g: torch.Tensor | None) -> torch.Tensor | None:
