@@ -137,7 +137,7 @@ class Transport:
             if t.dtype not in _CODE:
                 raise TransportError(f"cannot send dtype {t.dtype}; supported: {_DTYPES}")
             words += [_CODE[t.dtype], t.dim(), *t.shape]
-            bufs.append(t.detach().contiguous())
+            bufs.append(t.detach().to(self.device).contiguous())  # state exported from host memory: to the wire's device (NCCL)
         if pack:
             bufs = [torch.cat([b.reshape(-1) for b in bufs if b.dtype == dt]) for dt in _dtypes_in_order(bufs)]
         header = torch.zeros(_HEADER, dtype=torch.int64)
