@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Scenario:
     extra: dict = field(default_factory=dict)
     plan_ahead: bool = True  # give the engine the next subnets, as the app does with the sampler's peek
     memory: dict = field(default_factory=dict)  # MemorySettings fields (a device budget per stage)
+    trace_steps: tuple = ()  # steps whose spans are recorded (results: "spans", every rank's, on rank 0)
     diverge_rank: int = -1  # this rank samples another arch stream from step ``diverge_at`` on
     diverge_at: int = 0
 
@@ -74,7 +76,8 @@ def make_engine(sc: Scenario, graph, env=None):
     lr = LrSchedule(optim.lr, sc.steps, "cosine", warmup_steps=1)
     settings = PipelineSettings(schedule=sc.schedule, planner=sc.planner, timeout_s=30.0, **sc.extra)
     memory = MemorySettings(**sc.memory) if sc.memory else None
-    return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env, memory=memory)
+    return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env, memory=memory,
+                         trace_steps=tuple(sc.trace_steps))
 
 
 def run_scenario(sc: Scenario, env=None) -> dict:
@@ -110,6 +113,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         xc, yc = step_data(sc.seed + 9, i, sc.batch)
         e = engine.evaluate(archs[sc.steps + i], [(xv, yv), (xv.flip(0), yv.flip(0))], [(xc, yc)])
         evals.append([e.loss, e.correct, e.total])
+    spans = engine.trace_spans() if sc.trace_steps else None
     states = engine.op_states()
     if sc.save and states is not None:
         torch.save(states, sc.save)
@@ -117,6 +121,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
 
