@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .files import atomic_write_text
 from .plan.schedule import Action, Schedule, format_grid
 from .transport import PeerError
 
@@ -64,11 +65,8 @@ class FailureReporter:
             if root:
                 cause += f"\n  root cause: {root}"
         elif self.failure_dir is not None:
-            self.failure_dir.mkdir(parents=True, exist_ok=True)
-            note = self.failure_dir / f"rank{self.rank}.json"
-            tmp = note.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"rank": self.rank, "step": step, "action": str(action), "error": cause}))
-            os.replace(tmp, note)
+            atomic_write_text(self.failure_dir / f"rank{self.rank}.json",
+                              json.dumps({"rank": self.rank, "step": step, "action": str(action), "error": cause}))
         grid = format_grid(self.schedule, mark=action) if isinstance(action, Action) else ""
         msg = f"{where}: {cause}" + (f"\nschedule ({self.schedule.name}), failing action marked:\n{grid}" if grid else "")
         log.error("%s: %s", where, cause)

@@ -44,7 +44,6 @@ import logging
 import os
 import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +54,7 @@ import torch
 from supernet import INPUT, OpContext, SupernetError, SupernetGraph, build_op
 from supernet.ops import run_op
 
+from .files import atomic_write_text
 from .plan.costs import CostTable, analytic_costs, optim_bytes
 from .plan.partition import OpCost
 
@@ -135,15 +135,8 @@ def _read_cache(path: Path, key: str) -> CostTable | None:
 
 
 def _write_cache(path: Path, key: str, fields: dict[str, Any], table: CostTable) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "fields": fields, "table": table_to_json(table)}, f)
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # atomic: a concurrent reader sees the old file or the new one
+    atomic_write_text(path, json.dumps({"key": key, "fields": fields, "table": table_to_json(table)}))
 
 
 # ---------------------------------------------------------------------------- measurement

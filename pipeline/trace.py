@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from .files import atomic_write_text
 
 __all__ = ["CATEGORIES", "Span", "Tracer", "TraceError", "chrome_trace", "write_trace", "check_trace", "tracks",
            "busy_and_bubble", "spans_from_chrome"]
@@ -201,17 +201,5 @@ def _jsonable(v: Any) -> Any:
 
 
 def write_trace(path: str | os.PathLike, spans: Sequence[Span]) -> None:
-    """Write :func:`chrome_trace` of ``spans`` to ``path`` atomically (temporary file in the same
-    directory, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "x") as f:
-            json.dump(chrome_trace(spans), f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write :func:`chrome_trace` of ``spans`` to ``path`` atomically (:mod:`pipeline.files`)."""
+    atomic_write_text(path, json.dumps(chrome_trace(spans), separators=(",", ":")))

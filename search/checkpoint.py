@@ -1,4 +1,4 @@
-"""Checkpoints of a search run, and atomic file writes.
+"""Checkpoints of a search run (written atomically: :mod:`pipeline.files`).
 
 A checkpoint holds everything a run needs to continue as if never stopped: the format
 version, the number of training steps done, every op's flat state (weights, buffers and
@@ -17,13 +17,14 @@ from __future__ import annotations
 import io
 import logging
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.files import atomic_write_bytes, atomic_write_text
 
 __all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
            "load_checkpoint", "resume_checkpoint", "previous_path", "atomic_write_bytes", "atomic_write_text"]
@@ -54,46 +55,6 @@ class Checkpoint:
             "sampler": dict(self.sampler), "train_digest": self.train_digest,
             "config_digest": self.config_digest,
         }
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, keep_previous: str | os.PathLike | None = None) -> None:
-    """Write ``data`` to ``path`` so that readers never see a partial file. With
-    ``keep_previous``, the file ``path`` held moves there once the new data is durable."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name beside the target (same filesystem, so os.replace is atomic); opened
-    # exclusively, with the usual permissions (umask), unlike tempfile's private 0600 files.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if keep_previous is not None and path.exists():
-            os.replace(path, keep_previous)  # a crash here leaves the previous, which resume falls back to
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not every platform lets a directory be opened.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def previous_path(path: str | os.PathLike) -> Path:

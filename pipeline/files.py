@@ -1,0 +1,53 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+
+The data goes to a uniquely named file beside the target (same filesystem, so the rename is
+atomic), is flushed and fsynced, then ``os.replace``-d over the target, and the directory is
+fsynced so that the rename itself is durable. Checkpoints, summaries and traces use it.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+__all__ = ["atomic_write_bytes", "atomic_write_text"]
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, keep_previous: str | os.PathLike | None = None) -> None:
+    """Write ``data`` to ``path`` so that readers never see a partial file. With
+    ``keep_previous``, the file ``path`` held moves there once the new data is durable."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name beside the target (same filesystem, so os.replace is atomic); opened
+    # exclusively, with the usual permissions (umask), unlike tempfile's private 0600 files.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if keep_previous is not None and path.exists():
+            os.replace(path, keep_previous)  # a crash here leaves the previous, which resume falls back to
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every platform lets a directory be opened.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
