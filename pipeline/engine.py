@@ -24,6 +24,7 @@ from supernet.activations import ActivationPolicy
 
 if TYPE_CHECKING:
     from .memory import MemoryStats
+    from .memory_settings import MemorySettings
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
@@ -119,10 +120,10 @@ def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequenc
     return False
 
 
-def activation_policy(memory, sl) -> ActivationPolicy | None:
+def activation_policy(memory: MemorySettings, sl) -> ActivationPolicy | None:
     """The activation choice of every op of ``sl`` under ``memory.activations`` (None: keep all).
     ``keep``, ``swap`` and ``recompute`` apply to every op."""
-    mode = getattr(memory, "activations", "keep")
+    mode = memory.activations
     if mode == "keep":
         return None
     if mode == "auto":

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from supernet import OpContext, Slice, SliceRun, classification_loss
+from supernet import Slice, SliceRun, classification_loss, op_contexts
 
 from .engine import EvalResult, recalibrated_bn
 from .failures import FailureReporter
@@ -36,8 +36,7 @@ def evaluate_stage(mine: Slice, rank: int, num_stages: int, seed: int, module: C
             with failures.failing(-1, action):
                 m = action.microbatch
                 inputs = [batches[m][0]] if rank == 0 else transport.recv(rank - 1)[0]
-                ctx = lambda op_id, m=m: OpContext(seed, -1, m, op_id, training)  # noqa: E731
-                outs = SliceRun(mine, module, ctx).forward(inputs, grad=False)
+                outs = SliceRun(mine, module, op_contexts(seed, -1, m, training)).forward(inputs, grad=False)
                 if rank == last:
                     if on_output is not None:
                         on_output(outs[0], batches[m][1])

@@ -16,12 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from supernet import Arch, OpContext, SliceRun, SupernetGraph, classification_loss
+from supernet import Arch, SliceRun, SupernetGraph, classification_loss, op_contexts
 from supernet.execute import whole_slice
 
+from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, recalibrated_bn,
+                     split_batch, update)
 from .trace import Span, Tracer
-from .engine import activation_policy
-from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, recalibrated_bn, split_batch, update
 from .memory_settings import MemorySettings
 from .tensors import OptimConfig, TensorManager
 
@@ -55,9 +55,6 @@ class ReferenceEngine:
     def _slice(self, arch: Arch):
         return whole_slice(self.graph, arch)
 
-    def _ctx(self, step: int, mb: int, training: bool):
-        return lambda op_id: OpContext(self.seed, step, mb, op_id, training)
-
     def _check_budget(self) -> None:
         """The largest subnet (the biggest candidate of every slot, and the fixed ops) must fit."""
         by_node: dict[str, int] = {}
@@ -89,7 +86,7 @@ class ReferenceEngine:
         span = self.tracer.span
         policy = self.last_policy = activation_policy(self.tensors.memory, sl)  # memory.activations
         for mb, (xm, ym) in enumerate(split_batch(x.to(self.device), y.to(self.device), self.microbatches)):
-            run = SliceRun(sl, self.tensors.module, self._ctx(step, mb, True), policy)
+            run = SliceRun(sl, self.tensors.module, op_contexts(self.seed, step, mb, True), policy)
             with span(step, f"0F{mb}", "forward"):
                 (out,) = run.forward([xm])
                 loss = classification_loss(out, ym, batch)  # in the graph: one backward call
@@ -117,11 +114,11 @@ class ReferenceEngine:
         calib = list(calib_batches) if graph_has_batchnorm(self.graph) else []
         with recalibrated_bn(modules if calib else []):
             for mb, (xc, _) in enumerate(calib):
-                SliceRun(sl, self.tensors.module, self._ctx(-1, mb, True)).forward([xc.to(self.device)], grad=False)
+                SliceRun(sl, self.tensors.module, op_contexts(self.seed, -1, mb, True)).forward([xc.to(self.device)], grad=False)
             loss_sum, correct, total = 0.0, 0, 0
             for mb, (xv, yv) in enumerate(batches):
                 xv, yv = xv.to(self.device), yv.to(self.device)
-                (out,) = SliceRun(sl, self.tensors.module, self._ctx(-1, mb, False)).forward([xv], grad=False)
+                (out,) = SliceRun(sl, self.tensors.module, op_contexts(self.seed, -1, mb, False)).forward([xv], grad=False)
                 loss_sum += classification_loss(out, yv, 1).item()
                 correct += int((out.argmax(-1) == yv).sum())
                 total += int(yv.shape[0])

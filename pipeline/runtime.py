@@ -34,8 +34,8 @@ from supernet import Arch, SupernetGraph
 
 from .agreement import Agreement, AgreementError
 from .evaluation import evaluate_stage
-from .engine import activation_policy
-from .engine import EvalResult, LrSchedule, StepResult, graph_has_batchnorm, split_batch, update
+from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, split_batch,
+                     update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
 from .migration import Migrator

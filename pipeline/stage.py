@@ -3,9 +3,10 @@
 Messages are payload only when the plan's wire specs are known (:mod:`pipeline.wire`): the
 receive of the next action that needs input is posted before the current action computes, so
 its data arrives meanwhile (on NCCL it is posted in one batch with the current action's sends);
-sends complete lazily (:class:`pipeline.transport.Transport`). Losses stay on the device and
-are handed to rank 0 in one message at the end of the step: no host synchronisation between
-the first and the last action. Without wire specs the messages describe themselves.
+sends complete lazily (:class:`pipeline.transport.Transport`). Losses stay on the device; the
+last stage hands them to every rank in one message after its last action: no host
+synchronisation between the first and the last action. Without wire specs the messages
+describe themselves.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from supernet import OpContext, Slice, SliceRun, classification_loss
+from supernet import Slice, SliceRun, classification_loss, op_contexts
 from supernet.activations import ActivationPolicy
 
 from .failures import FailureReporter
@@ -76,10 +77,14 @@ class StageExecutor:
             if j == losses_after:
                 post_losses()
 
+        def source(j: int) -> tuple[int, tuple]:
+            """Where action ``j``'s message comes from, and what it carries."""
+            if self.actions[j].kind == "F":
+                return rank - 1, wires.forward[rank] if wires is not None else ()
+            return rank + 1, wires.backward[rank] if wires is not None else ()
+
         def post(j: int) -> None:
-            a = self.actions[j]
-            src, specs = (rank - 1, wires.forward[rank]) if a.kind == "F" else (rank + 1, wires.backward[rank])
-            posted_now(j, tr.post_recv(src, specs))
+            posted_now(j, tr.post_recv(*source(j)))
 
         if wires is not None and rank != last and losses_after is None:
             post_losses()
@@ -87,7 +92,6 @@ class StageExecutor:
             post(needs[0])
         runs: dict[int, SliceRun] = {}
         head_losses: dict[int, torch.Tensor] = {}
-        ctx = _ctx(self.seed, step)
         for i, action in enumerate(self.actions):
             with self.failures.failing(step, action), tracer.span(step, str(action), action_cat(action)):
                 m = action.microbatch
@@ -100,11 +104,11 @@ class StageExecutor:
                         post(i)
                     w0 = time.perf_counter()
                     with tracer.span(step, f"recv {action}", "recv-wait"):
-                        got = posted.pop(i).wait() if wires is not None else tr.recv(rank - 1 if action.kind == "F" else rank + 1)[0]
+                        got = posted.pop(i).wait() if wires is not None else tr.recv(source(i)[0])[0]
                     stats.wait_s += time.perf_counter() - w0
                 a0 = time.perf_counter()
                 if action.kind == "F":
-                    run = SliceRun(sl, module, ctx(m), policy)
+                    run = SliceRun(sl, module, op_contexts(self.seed, step, m, True), policy)
                     outs = run.forward([mbs[m][0]] if rank == 0 else got)
                     runs[m] = run
                     stats.max_in_flight = max(stats.max_in_flight, len(runs))
@@ -118,12 +122,10 @@ class StageExecutor:
                     in_grads = run.backward_loss(head_losses.pop(m)) if rank == last else run.backward(got)
                     out, dst = (in_grads, rank - 1) if rank != 0 else (None, None)
                 stats.busy_s += time.perf_counter() - a0
-                nxt = None
                 # NCCL: the receive of the very next action goes in one batch with this one's
                 # sends (posting it earlier would queue it in front of sends its answer needs)
-                if wires is not None and not eager and k < len(needs) and needs[k] == i + 1 and needs[k] not in posted:
-                    a = self.actions[needs[k]]
-                    nxt = (rank - 1, wires.forward[rank]) if a.kind == "F" else (rank + 1, wires.backward[rank])
+                nxt = (source(i + 1) if wires is not None and not eager and k < len(needs) and needs[k] == i + 1
+                       and needs[k] not in posted else None)
                 if out is not None or nxt is not None:
                     with tracer.span(step, f"send {action}", "send"):
                         if wires is None:
@@ -149,9 +151,3 @@ class StageExecutor:
 
 def action_cat(action: Action) -> str:
     return "forward" if action.kind == "F" else "backward"
-
-
-def _ctx(seed: int, step: int):
-    def for_mb(mb: int):
-        return lambda op_id: OpContext(seed, step, mb, op_id, True)
-    return for_mb

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from supernet import OpContext, Slice, SliceRun
+from supernet import Slice, SliceRun, op_contexts
 
 __all__ = ["TensorSpec", "WireSpecs", "wire_specs", "MetaModules"]
 
@@ -77,7 +77,7 @@ def wire_specs(slices: Sequence[Slice], modules: MetaModules, sample_shape: Sequ
         runs, forward = [], [()]
         inputs: list[torch.Tensor] = [x]
         for s, sl in enumerate(slices):
-            run = SliceRun(sl, modules, lambda op_id: OpContext(seed, 0, 0, op_id, True))
+            run = SliceRun(sl, modules, op_contexts(seed, 0, 0, True))
             outs = run.forward(inputs)
             runs.append(run)
             if s + 1 < len(slices):

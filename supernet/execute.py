@@ -99,16 +99,15 @@ def _whole_slice(graph: SupernetGraph, arch: Arch) -> Slice:
 class _Wiring:
     """How a slice's tensors join its one autograd graph.
 
-    ``links``: tensors produced in the slice and used exactly once, by another op of the slice:
-    they flow straight from producer to consumer. ``fan``: tensors used more than once (by ops
+    ``link_args``: per op, its arguments that are links: tensors produced in the slice and used
+    exactly once, by this op; they flow straight from producer to consumer. ``fan``: tensors used more than once (by ops
     of the slice or handed on): each use gets an alias of its own from :class:`_FanOut`, whose
     backward sums the uses' gradients in the fixed order ``fan[node]`` (indices of the uses in
     forward order: the use handed on first, then the consumers in reverse topological order,
     arguments left to right)."""
 
-    links: frozenset[str]
     fan: dict[str, tuple[int, ...]]
-    link_args: tuple[tuple[int, ...], ...]  # per op, the arguments that are links
+    link_args: tuple[tuple[int, ...], ...]
 
 
 @lru_cache(maxsize=512)
@@ -128,7 +127,7 @@ def _wiring(sl: Slice) -> _Wiring:
             fold = sorted(range(len(us)), key=lambda k: (-us[k][0], us[k][1]))  # handed on, then later ops first
             fan[nd] = tuple(fold)
     link_args = tuple(tuple(j for j, src in enumerate(op.inputs) if src in links) for op in sl.ops)
-    return _Wiring(links, fan, link_args)
+    return _Wiring(fan, link_args)
 
 
 class _FanOut(torch.autograd.Function):

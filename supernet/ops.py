@@ -20,7 +20,7 @@ from torch import nn
 
 from .errors import OpError
 
-__all__ = ["OpSpec", "OpContext", "register_op", "registered_ops", "build_op", "derive_seed", "run_op"]
+__all__ = ["OpSpec", "OpContext", "register_op", "registered_ops", "build_op", "derive_seed", "run_op", "op_contexts"]
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
@@ -58,6 +58,12 @@ class OpSpec:
 
     def __str__(self) -> str:
         return f"{self.kind}(" + ", ".join(f"{k}={v!r}" for k, v in self.args) + ")"
+
+
+def op_contexts(seed: int, step: int, microbatch: int, training: bool) -> Callable[[str], OpContext]:
+    """The contexts of every op of one micro-batch: what :class:`~supernet.execute.SliceRun`
+    takes (``op_id -> OpContext``)."""
+    return lambda op_id: OpContext(seed, step, microbatch, op_id, training)
 
 
 def derive_seed(*parts: object) -> int:
