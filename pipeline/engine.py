@@ -24,7 +24,6 @@ from supernet.activations import ActivationPolicy
 
 if TYPE_CHECKING:
     from .memory import MemoryStats
-    from .memory_settings import MemorySettings
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
@@ -120,16 +119,12 @@ def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequenc
     return False
 
 
-def activation_policy(memory: MemorySettings, sl) -> ActivationPolicy | None:
-    """The activation choice of every op of ``sl`` under ``memory.activations`` (None: keep all).
-    ``keep``, ``swap`` and ``recompute`` apply to every op."""
-    mode = memory.activations
-    if mode == "keep":
+def activation_policy(choices: Mapping[str, str] | None) -> ActivationPolicy | None:
+    """The policy that runs a slice's ops under ``choices`` (op id -> keep | swap | recompute,
+    what :meth:`pipeline.memory_plan.MemoryModel.activation_choices` planned; None: keep all)."""
+    if not choices or all(c == "keep" for c in choices.values()):
         return None
-    if mode == "auto":
-        raise ValueError("memory.activations: 'auto' (planned per op) is not wired into the engines yet; "
-                         "expected 'keep', 'swap' or 'recompute'")
-    return ActivationPolicy({op.op_id: mode for op in sl.ops})
+    return ActivationPolicy(choices)
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

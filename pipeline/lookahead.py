@@ -18,8 +18,9 @@ import torch
 
 from supernet import Arch, Slice, SupernetGraph, build_op, cut
 
+from .memory_plan import MemoryModel, arena_error, check_fits
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
-from .plan.partition import Partition
+from .plan.partition import Partition, PartitionError
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
 from .settings import PipelineSettings
@@ -30,14 +31,15 @@ __all__ = ["Plan", "LookaheadPlanner"]
 
 @dataclass(frozen=True)
 class Plan:
-    """Where one subnet runs: its partition, each stage's slice, and what crosses each cut
-    for micro-batches of shape ``sample`` (``wires``; None: not known, messages describe
-    themselves)."""
+    """Where one subnet runs: its partition, each stage's slice, each stage's activation choice
+    per op (``activations``; None: every op keeps them), and what crosses each cut for
+    micro-batches of shape ``sample`` (``wires``; None: not known, messages describe themselves)."""
 
     arch: Arch
     partition: Partition
     slices: tuple[Slice, ...]
     digest: int
+    activations: tuple[Mapping[str, str], ...] | None = None
     sample: tuple[tuple[int, ...], torch.dtype] | None = None
     wires: WireSpecs | None = None
 
@@ -48,10 +50,13 @@ class Plan:
 
 class LookaheadPlanner:
     def __init__(self, graph: SupernetGraph, seed: int, num_stages: int, microbatches: int,
-                 settings: PipelineSettings, costs: CostTable | None, can_move_early: bool, optim_name: str) -> None:
+                 settings: PipelineSettings, costs: CostTable | None, can_move_early: bool, optim_name: str,
+                 memory: MemoryModel | None = None) -> None:
         # ``costs``: the table to plan with (every rank the same); None: the analytic model at
-        # the first batch's shape, with ``optim_name``'s optimizer state in the memory model
+        # the first batch's shape, with ``optim_name``'s optimizer state in the memory model.
+        # ``memory``: the tensor manager's arenas and the activation policy (None: all resident)
         self.graph, self.seed, self.num_stages, self.microbatches = graph, seed, num_stages, microbatches
+        self.memory = memory
         self.optim_name = optim_name
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
         self.planner = None
@@ -87,7 +92,7 @@ class LookaheadPlanner:
             return StaticPlanner.from_problem(mean_problem(
                 self.graph, self.costs, num_stages=self.num_stages, num_microbatches=self.microbatches,
                 schedule=s.schedule, bandwidth=s.link_bandwidth, latency=s.link_latency_s,
-                memory_budget=s.budgets(self.num_stages)))
+                memory_budget=s.budgets(self.num_stages)))  # the arena's bound is checked per plan
         return make_planner(s.planner)
 
     # -- plans -----------------------------------------------------------------------------
@@ -105,12 +110,24 @@ class LookaheadPlanner:
         previous = {op.op_id: owners[op.op_id] for op in active}
         busy = (frozenset(op.op_id for op in self.graph.active_ops(before))
                 if before is not None and self.can_move_early else None)
+        mm = self.memory
+        arena = mm is not None and mm.arena_bytes is not None
         problem = subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches, s.schedule,
-                                 s.link_bandwidth, s.link_latency_s, s.budgets(self.num_stages))
-        part = self.planner.plan(problem, previous, busy)
+                                 s.link_bandwidth, s.link_latency_s,
+                                 mm.budgets() if arena else s.budgets(self.num_stages), mm.managed if arena else None)
+        try:
+            part = self.planner.plan(problem, previous, busy)
+        except PartitionError as e:
+            if not arena or e.closest is None:
+                raise
+            raise arena_error(mm, e.closest, f"no split of subnet {arch.to_json()} over {self.num_stages} stages "
+                                             f"fits; the closest") from None
+        if arena:
+            check_fits(mm, part, f"the {s.planner} planner's split of subnet {arch.to_json()}")
+        acts = mm.activation_choices(problem, part.bounds) if mm is not None else None
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         slices = cut(active, part.bounds, self.graph.output)
-        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"))
+        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts)
 
     def with_wires(self, plan: Plan) -> Plan:
         """``plan`` with the wire specs of the current training micro-batch shape."""
@@ -123,7 +140,7 @@ class LookaheadPlanner:
             shape, dtype = self.sample
             wires = wire_specs(plan.slices, self._meta, shape, dtype, self.seed) if self.num_stages > 1 else None
             _remember(self._wires, key, wires)
-        return Plan(plan.arch, plan.partition, plan.slices, plan.digest, self.sample, wires)
+        return Plan(plan.arch, plan.partition, plan.slices, plan.digest, plan.activations, self.sample, wires)
 
     def key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
         return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))

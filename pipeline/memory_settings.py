@@ -11,9 +11,13 @@ fetched: ``belady`` (evict the op whose next use in the known future is furthest
 prefetch from the lookahead), ``lru`` (prefetch from the lookahead, evict the least recently
 used op) or ``on_demand`` (no prefetch: fetch synchronously when used, evict LRU).
 ``prefetch_depth``: how many future steps the manager fetches ahead (as the budget allows).
-``max_in_flight``: copies in flight at once. ``activations``: the activation policy (``keep``,
-``swap``, ``recompute``, ``auto``); carried for the activation planner, not used by the
-tensor manager. ``optimizer``: where the optimizer state lives and is updated: ``device``
+``max_in_flight``: copies in flight at once. ``activations``: where each op's saved activations
+wait for its backward (``keep``, ``swap``, ``recompute`` for every op, or ``auto``: a keep/swap/
+recompute choice per op, planned with each partition by :mod:`pipeline.plan.activations` so that
+a stage's kept activations fit ``activation_budget_bytes`` at the least added time; swaps are
+priced at ``host_link_bandwidth`` bytes/s each way). ``activation_budget_bytes``: per stage, the
+device bytes the activations the schedule keeps may take (``null``: no bound, ``auto`` keeps
+everything); it is separate from the arena, as gradients are. ``optimizer``: where the optimizer state lives and is updated: ``device``
 (it travels with the op and is updated on the device: an fp32 op with AdamW moves 16 bytes
 per parameter each way, weights and both moments) or ``host`` (it stays in the op's host
 home and the host updates it: 4 bytes of weights per parameter go to the device, 4 of
@@ -49,6 +53,8 @@ class MemorySettings:
     prefetch_depth: int = 2
     max_in_flight: int = 16
     activations: str = "keep"
+    activation_budget_bytes: int | None = None
+    host_link_bandwidth: float = 25e9
     optimizer: str = "device"
     cpu_copies: str = "thread"
 
@@ -89,6 +95,12 @@ class MemorySettings:
             lo = 0 if name == "prefetch_depth" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"memory.{name}: expected an integer >= {lo}, found {v!r}")
+        a = self.activation_budget_bytes
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0):
+            raise ValueError(f"memory.activation_budget_bytes: expected a positive integer (bytes) or null, found {a!r}")
+        h = self.host_link_bandwidth
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < float("inf"):
+            raise ValueError(f"memory.host_link_bandwidth: expected a positive number (bytes/s), found {h!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"memory.activations: expected one of {list(ACTIVATIONS)}, found {self.activations!r}")
         if self.cpu_copies not in CPU_COPIES:

@@ -7,7 +7,9 @@ op takes one optimizer step. Ops outside the subnet get no gradient and are not 
 
 With a device budget (``memory``) the tensor manager keeps ops in host memory: each step
 announces its ops and the lookahead's (``plan_ahead``) so the next ones are fetched while this
-one runs, pins its own (``ensure``) and releases them after the optimizer step.
+one runs, pins its own (``ensure``) and releases them after the optimizer step. Its
+activation policy (``memory.activations``) is planned as for a one-stage pipeline: one
+micro-batch in flight, ``auto`` against ``memory.activation_budget_bytes``.
 """
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from supernet.execute import whole_slice
 
 from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, recalibrated_bn,
                      split_batch, update)
-from .trace import Span, Tracer
+from .memory_plan import MemoryModel
 from .memory_settings import MemorySettings
+from .plan.costs import CostTable, analytic_costs, subnet_problem
 from .tensors import OptimConfig, TensorManager
+from .trace import Span, Tracer
 
 __all__ = ["ReferenceEngine"]
 
@@ -47,6 +51,9 @@ class ReferenceEngine:
             self.tensors.create(slot.op_id)
         self._ahead: list[frozenset[str]] = []
         self.tracer = Tracer(0, trace_steps)
+        self._model = MemoryModel(self.tensors.memory)
+        self._costs: CostTable | None = None  # for memory.activations=auto, at the first batch's shape
+        self._choices: dict[Arch, Mapping[str, str] | None] = {}
 
     @property
     def is_main(self) -> bool:
@@ -84,7 +91,7 @@ class ReferenceEngine:
         batch = x.shape[0]
         losses = []
         span = self.tracer.span
-        policy = self.last_policy = activation_policy(self.tensors.memory, sl)  # memory.activations
+        policy = self.last_policy = activation_policy(self._activation_choices(arch, x))
         for mb, (xm, ym) in enumerate(split_batch(x.to(self.device), y.to(self.device), self.microbatches)):
             run = SliceRun(sl, self.tensors.module, op_contexts(self.seed, step, mb, True), policy)
             with span(step, f"0F{mb}", "forward"):
@@ -97,6 +104,21 @@ class ReferenceEngine:
             update(self.tensors, ops, self.lr(step), losses)  # nothing changes when a loss is not finite
         mem = self.tensors.release_step()
         return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
+
+    def _activation_choices(self, arch: Arch, x: torch.Tensor) -> Mapping[str, str] | None:
+        """``memory.activations`` for ``arch``'s ops (memoised per subnet; pure)."""
+        if self._model.settings.activations == "keep":
+            return None
+        if arch not in self._choices:
+            if self._costs is None:
+                self._costs = analytic_costs(self.graph, tuple(x.shape[1:]), x.shape[0] // self.microbatches,
+                                             self.tensors.optim.name)
+            problem = subnet_problem(self.graph, self.graph.active_ops(arch), self._costs, 1, self.microbatches,
+                                     "1f1b", 1.0, 0.0)
+            if len(self._choices) >= 256:
+                self._choices.clear()
+            self._choices[arch] = self._model.activation_choices(problem, (0, problem.num_ops))[0]
+        return self._choices[arch]
 
     @torch.no_grad()
     def evaluate(self, arch: Arch, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],

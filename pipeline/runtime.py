@@ -38,6 +38,7 @@ from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, grap
                      update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
+from .memory_plan import MemoryModel
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
@@ -115,11 +116,23 @@ class PipelineEngine:
                                         parse_fault(os.environ.get("PIPENAS_FAULT")))
         self.tracer = Tracer(self.rank, trace_steps)
         self.planner = LookaheadPlanner(graph, seed, self.num_stages, microbatches, settings, costs,
-                                        can_move_early=early is not None, optim_name=optim.name)
+                                        can_move_early=early is not None, optim_name=optim.name,
+                                        memory=self._memory_model())
         self.migrator = Migrator(self.rank, self.owners, self.tensors, self.transport, early)
         self.stage = StageExecutor(self.rank, self.schedule, self._schedule_transport, self.failures, self.tracer,
                                    self.device, seed)
         self._last_arch: Arch | None = None  # the subnet of the last training step
+
+    def _memory_model(self) -> MemoryModel:
+        """The planner's view of the memory settings: every stage's arena capacity (gathered:
+        a fraction of free device memory differs between devices) and each op's bytes there."""
+        if not self.tensors.virtual:
+            return MemoryModel(self.tensors.memory)
+        with self.failures.failing(-1, "plan"):
+            arenas: list = [None] * self.world_size
+            dist.all_gather_object(arenas, self.tensors.stats().budget_bytes)
+        footprint = {slot.op_id: self.tensors.footprint([slot.op_id]) for slot in self.graph.slots()}
+        return MemoryModel(self.tensors.memory, tuple(int(b) for b in arenas), footprint)
 
     @property
     def is_main(self) -> bool:
@@ -195,7 +208,7 @@ class PipelineEngine:
             self.stats.early_migrated_ops = early
             self._prepare_next(plan)
         mine = plan.slices[self.rank]
-        policy = activation_policy(self.tensors.memory, mine)
+        policy = activation_policy(plan.activations[self.rank] if plan.activations else None)
         losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, self.tensors.module, policy)
         mb_losses = tuple(losses.tolist())  # the step's one host read, after its last action
         with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):

@@ -301,9 +301,10 @@ def _memory(root: _Group) -> MemorySettings:
     for k in g.data:
         if k not in names:
             raise ConfigError(f"memory.{k}: unknown field; expected one of {names}")
-    budget = g.data.get("device_budget_bytes")
-    if isinstance(budget, float) and budget.is_integer():  # 1.0e+9 in YAML
-        g.data = {**g.data, "device_budget_bytes": int(budget)}
+    for key in ("device_budget_bytes", "activation_budget_bytes"):
+        budget = g.data.get(key)
+        if isinstance(budget, float) and budget.is_integer():  # 1.0e+9 in YAML
+            g.data = {**g.data, key: int(budget)}
     try:
         return MemorySettings(**g.data)
     except (ValueError, TypeError) as e:
@@ -335,6 +336,10 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     late = [s for s in run.pipeline.trace_steps if s >= run.train.steps]
     if late:
         raise ConfigError(f"pipeline.trace_steps: expected steps below train.steps ({run.train.steps}), found {late}")
+    if run.memory.virtual and run.pipeline.memory_budget_bytes is not None:
+        raise ConfigError("pipeline.memory_budget_bytes: expected null when the tensor manager has a budget "
+                          f"(memory.device_budget_bytes or device_budget_fraction), found "
+                          f"{run.pipeline.memory_budget_bytes!r}: the manager's arena bounds each stage's split")
     root.done(ignore=("hydra",))
     return run
 

@@ -92,7 +92,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
-    resident_peak, evictions = 0, 0
+    resident_peak, evictions, swapped, recomputed = 0, 0, 0, 0
     for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
         x, y = step_data(sc.seed, step, sc.batch)
         if sc.plan_ahead:
@@ -105,6 +105,8 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         mb_losses.append(list(r.microbatch_losses))
         migrated += r.migrated_ops
         peaks = max(peaks, getattr(getattr(engine, "stats", None), "max_in_flight", 0))
+        swapped += getattr(getattr(engine, "stats", None), "swapped_bytes", 0)
+        recomputed += getattr(getattr(engine, "stats", None), "recomputed_ops", 0)
         if r.memory is not None:
             resident_peak, evictions = max(resident_peak, r.memory.resident_bytes_peak), evictions + r.memory.evictions
     evals = []
@@ -120,7 +122,8 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     return {
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
-        "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
+        "swapped": swapped, "recomputed": recomputed, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
@@ -147,8 +150,9 @@ def _worker() -> None:
         dist.all_gather_object(peaks, engine.stats.max_in_flight)
         res["peak_in_flight"] = peaks
         mem: list = [None] * world
-        dist.all_gather_object(mem, (res["resident_peak"], res["evictions"]))
-        res["resident_peak"], res["evictions"] = [m[0] for m in mem], [m[1] for m in mem]
+        dist.all_gather_object(mem, (res["resident_peak"], res["evictions"], res["swapped"], res["recomputed"]))
+        for k, key in enumerate(("resident_peak", "evictions", "swapped", "recomputed")):
+            res[key] = [m[k] for m in mem]
         results.append(res)
     if rank == 0:
         tmp = Path(spec["out"]).with_suffix(".tmp")

@@ -48,10 +48,15 @@ def test_a_budget_that_forces_swaps_trains_the_same_weights(tmp_path: Path) -> N
     ("memory.device_budget_bytes=-5", "memory.device_budget_bytes: expected a positive integer"),
     ("memory.policy=fifo", "memory.policy: expected one of ['belady', 'lru', 'on_demand'], found 'fifo'"),
     ("+memory.bogus=1", "memory.bogus: unknown field"),
+    ("memory.activation_budget_bytes=0", "memory.activation_budget_bytes: expected a positive integer"),
+    ("memory.activations=all", "memory.activations: expected one of ['keep', 'swap', 'recompute', 'auto']"),
+    ("memory.host_link_bandwidth=-1", "memory.host_link_bandwidth: expected a positive number"),
+    ("memory.device_budget_bytes=20000 pipeline.memory_budget_bytes=1e6",
+     "pipeline.memory_budget_bytes: expected null when the tensor manager has a budget"),
 ])
 def test_bad_memory_settings_name_the_field(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
-        load_config(cfg(override))
+        load_config(cfg(*override.split()))
     assert message in str(e.value)
 
 

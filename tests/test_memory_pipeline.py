@@ -84,3 +84,128 @@ def test_swapped_and_recomputed_activations_compute_the_same_bits_in_stages(stag
     for i, (sc, got) in enumerate(zip(SWAPPED, results)):
         assert got["losses"] == kept(i)["losses"] and got["mb_losses"] == kept(i)["mb_losses"], sc
         assert got["digest"] == kept(i)["digest"], sc
+
+
+# -- the planner knows the manager's budgets ---------------------------------------------------
+
+def planned(sc: Scenario, stages: int, memory: dict) -> list:
+    """The plans the engine makes for ``sc``'s steps (the lookahead planner is pure: the same
+    chain of placements, steps before and memory model as in the engine)."""
+    from distributed import arch_stream, build_graph, step_data
+    from pipeline import MemorySettings, PipelineSettings
+    from pipeline.lookahead import LookaheadPlanner
+    from pipeline.memory_plan import MemoryModel
+    from pipeline.plan.placement import initial_owners, stages_of
+    from test_memory import optim_of
+
+    graph = build_graph(sc.space)
+    settings = MemorySettings(**memory)
+    model = MemoryModel(settings)
+    if settings.virtual:
+        tm = TensorManager(graph, sc.seed, optim_of(sc.optimizer), memory=settings)
+        model = MemoryModel(settings, (settings.device_budget_bytes,) * stages,
+                            {slot.op_id: tm.footprint([slot.op_id]) for slot in graph.slots()})
+        tm.close()
+    planner = LookaheadPlanner(graph, sc.seed, stages, sc.microbatches,
+                               PipelineSettings(schedule=sc.schedule, planner=sc.planner, **sc.extra), None,
+                               True, sc.optimizer, model)
+    x, _ = step_data(sc.seed, 0, sc.batch)
+    planner.ensure(x, sc.batch // sc.microbatches, True)
+    owners, before, plans = initial_owners(graph.slots(), stages), None, []
+    try:
+        for arch in arch_stream(graph, sc.seed, sc.steps):
+            plans.append(planner.plan_with(arch, owners, before))
+            owners.update(stages_of(plans[-1].active, plans[-1].partition.bounds))
+            before = arch
+    finally:
+        planner.close(True)
+    return plans
+
+
+def least_feasible(sc: Scenario, stages: int, field_: str, hi: int, **memory) -> int:
+    """The smallest value of ``memory.<field_>`` with which every step of ``sc`` can be planned."""
+    lo = 0  # infeasible
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            planned(sc, stages, {**memory, field_: mid})
+            hi = mid
+        except ValueError:
+            lo = mid
+    return hi
+
+
+from pipeline.tensors import TensorManager  # noqa: E402  (used by the helpers above)
+
+ARENA = Scenario("cell", "1f1b", steps=4, eval_archs=1)
+
+
+def unconstrained_need(sc: Scenario, stages: int) -> int:
+    """The arena the splits made without the bound need (the most any stage's active ops take)."""
+    from distributed import build_graph
+    from test_memory import optim_of
+
+    tm = TensorManager(build_graph(sc.space), sc.seed, optim_of(sc.optimizer))
+    return max(tm.footprint(op.op_id for op in sl.ops) for p in planned(sc, stages, {}) for sl in p.slices)
+
+
+def test_the_split_fits_every_stage_arena_and_an_arena_too_small_stops_the_job() -> None:
+    """The partitioner bounds each stage's active ops by its arena: at the least budget that
+    plans every step (under what the splits made without the bound need, so the split moves)
+    the run computes the reference bits within the budget; one byte less stops every rank
+    with the shortfall."""
+    least = least_feasible(ARENA, 2, "device_budget_bytes", tight_budget(ARENA.space, ARENA.optimizer, ARENA.steps))
+    assert least < unconstrained_need(ARENA, 2)  # the bound changes the split
+    ok = Scenario(**{**ARENA.__dict__, "memory": {"device_budget_bytes": least}})
+    short = Scenario(**{**ARENA.__dict__, "memory": {"device_budget_bytes": least - 1}})
+    results, _, _ = spawn(2, [ok], timeout_s=300)
+    ref = run_scenario(ARENA)
+    got = results[0]
+    assert got["losses"] == ref["losses"] and got["digest"] == ref["digest"] and got["evals"] == ref["evals"]
+    assert all(0 < p <= least for p in got["resident_peak"]), (got["resident_peak"], least)
+    _, procs, _ = spawn(2, [short], timeout_s=120, expect_ok=False)
+    for rank, p in enumerate(procs):
+        assert p is not None and p.returncode != 0, f"rank {rank} should stop"
+        assert "memory.device_budget_bytes: no split of subnet" in p.stderr and "short by 1 bytes" in p.stderr, \
+            p.stderr[-3000:]
+
+
+AUTO = [
+    Scenario("transformer", "1f1b", steps=3, extra=MIGRATING),
+    Scenario("conv", "gpipe", steps=3),
+    Scenario("cell", "1f1b", steps=3, optimizer="adamw"),
+]
+
+
+def auto(sc: Scenario, stages: int) -> Scenario:
+    """``sc`` with ``memory.activations=auto`` at the least activation budget its plans meet
+    (some stage then swaps or recomputes)."""
+    least = least_feasible(sc, stages, "activation_budget_bytes", 1 << 24, activations="auto")
+    return Scenario(**{**sc.__dict__, "memory": {"activations": "auto", "activation_budget_bytes": least}})
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_auto_activations_meet_their_budget_and_compute_the_same_bits(stages: int) -> None:
+    scenarios = [auto(sc, stages) for sc in AUTO]
+    for sc in scenarios:  # the plan: every stage within the budget, and not all keeping
+        plans = planned(sc, stages, sc.memory)
+        assert any(c != "keep" for p in plans for st in p.activations for c in st.values()), sc
+    results, _, _ = spawn(stages, scenarios, timeout_s=300)
+    for sc, got in zip(scenarios, results):
+        ref = run_scenario(Scenario(**{**sc.__dict__, "memory": {}}))
+        assert got["losses"] == ref["losses"] and got["mb_losses"] == ref["mb_losses"], sc
+        assert got["digest"] == ref["digest"], sc
+        assert sum(got["recomputed"]) + sum(got["swapped"]) > 0, sc
+
+
+def test_auto_activations_in_one_process_and_a_budget_below_the_floor() -> None:
+    sc = Scenario("transformer", "1f1b", steps=3)
+    least = least_feasible(sc, 1, "activation_budget_bytes", 1 << 24, activations="auto")
+    res = run_scenario(Scenario(**{**sc.__dict__, "memory": {"activations": "auto", "activation_budget_bytes": least}}))
+    policy = res.pop("engine").last_policy
+    ref = run_scenario(sc)
+    assert res["losses"] == ref["losses"] and res["digest"] == ref["digest"]
+    assert policy is not None and policy.swapped_bytes + policy.recomputed_ops > 0
+    with pytest.raises(ValueError, match=r"memory.activation_budget_bytes: stage 0 .* short by \d+ bytes"):
+        run_scenario(Scenario(**{**sc.__dict__, "memory": {"activations": "auto",
+                                                            "activation_budget_bytes": least - 1}}))

@@ -330,3 +330,44 @@ def test_managed_memory_default_unchanged_and_shortfall() -> None:
         ManagedMemory("gpu")
     with pytest.raises(PartitionError, match=r"ManagedMemory.reserve: expected 3 values"):
         _managed(problem, ManagedMemory(reserve=(1.0, 2.0)))
+
+
+@pytest.mark.parametrize("seed,N,P", [(seed, N, P) for seed in range(4) for N in range(0, 8) for P in range(1, 4)])
+def test_arena_model_bounds_each_stage_by_its_ops_arena_bytes(seed: int, N: int, P: int) -> None:
+    """With the manager's exact arena bytes per op, a stage's memory is its ops' arena bytes
+    plus the reserve (no activations, no grads), the solver's split is brute force's among the
+    splits that fit every stage's arena, and an arena no split fits says by how much."""
+    from pipeline.plan.partition import ManagedMemory
+
+    rng = np.random.default_rng([seed, N, P, 9])
+    base = small_problem(rng, N, P, integral=seed % 2 == 0)
+    arena = {op.op_id: int(rng.integers(0, 100)) for op in base.ops}
+    reserve = tuple(float(rng.integers(0, 5)) for _ in range(P))
+    mm = ManagedMemory("device", arena=arena, reserve=reserve)
+    for b in all_bounds(N, P):
+        part = evaluate(_managed(base, mm), b)
+        assert part.stage_memory == tuple(int(sum(arena[op.op_id] for op in base.ops[b[s]:b[s + 1]]) + reserve[s])
+                                          for s in range(P))
+    total = sum(arena.values())
+    budgets = tuple(float(rng.integers(0, total + 10)) for _ in range(P))
+    problem = _managed(base, mm, budgets)
+    expected, optimum = brute_force(problem, None, 0.0)
+    if expected is None:
+        with pytest.raises(PartitionError, match="short by") as info:
+            solve(problem)
+        assert info.value.short_by == pytest.approx(optimum)
+        assert "optimizer='host'" in str(info.value) and "activations='auto'" not in str(info.value)
+        return
+    got = solve(problem)
+    assert got == expected and got.fits_memory
+    assert all(m <= b for m, b in zip(got.stage_memory, budgets))
+
+
+def test_arena_model_names_an_op_without_arena_bytes() -> None:
+    from pipeline.plan.partition import ManagedMemory
+
+    problem = random_problem(np.random.default_rng(3), 4, 2, 2)
+    with pytest.raises(PartitionError, match=r"ManagedMemory.arena: expected the arena bytes of every op, found none"):
+        solve(_managed(problem, ManagedMemory(arena={}), (1e9, 1e9)))
+    with pytest.raises(PartitionError, match=r"ManagedMemory.arena\['a'\]: expected non-negative bytes"):
+        ManagedMemory(arena={"a": -1})

@@ -18,8 +18,12 @@ device holds only what the manager keeps resident, so memory(s) counts the stage
 weights + grads (+ optimizer state when it lives on the device), the activations (all kept, or
 with ``activations="auto"`` the least the keep/swap/recompute plan of
 :mod:`pipeline.plan.activations` reaches with every op at its smallest choice) and a ``reserve``
-for the ops being prefetched; inactive ops live in host memory and count nowhere. Without it
-(the default) the formula above holds unchanged.
+for the ops being prefetched; inactive ops live in host memory and count nowhere. With an
+``arena`` (the exact bytes each op takes in the manager's device arena, what the engines pass)
+the budget is the arena's: memory(s) = the stage's ops' arena bytes + reserve, gradients and
+activations living outside it (``memory.activation_budget_bytes`` bounds the activations kept,
+planned per stage by :func:`pipeline.plan.activations.stage_activation_plan`). Without a
+manager (the default) the formula above holds unchanged.
 Comm is charged by stage position, so ``cut_bytes[0]`` only costs time when stage 0 is empty
 and has to relay the input.
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence, Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,10 +56,12 @@ _MIB = float(2**20)
 class PartitionError(ValueError):
     """A partition problem is malformed or cannot fit its memory budgets."""
 
-    def __init__(self, message: str, short_by: float | None = None, stage: int | None = None) -> None:
+    def __init__(self, message: str, short_by: float | None = None, stage: int | None = None,
+                 closest: Partition | None = None) -> None:
         super().__init__(message)
         self.short_by = short_by  # bytes over budget on the tightest stage of the best partition
         self.stage = stage
+        self.closest = closest  # that partition
 
 
 def _is_int(v: object) -> bool:
@@ -105,11 +111,15 @@ class ManagedMemory:
     activation plan reaches: the plan itself, with its added time, is made per stage after the
     split by :func:`pipeline.plan.activations.partition_activation_plans`). ``reserve``: bytes per
     stage kept free for the ops being fetched ahead (one number for every stage, or one per stage).
+    ``arena``: op id -> the bytes the op takes in the tensor manager's device arena (aligned
+    weights, buffers and, with ``optimizer="device"``, optimizer state; ``TensorManager.
+    footprint``); when given, a stage's memory is its ops' arena bytes + ``reserve`` alone.
     """
 
     optimizer: str = "device"
     activations: str = "keep"
     reserve: float | tuple[float, ...] = 0.0
+    arena: Mapping[str, int] | None = field(default=None, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("device", "host"):
@@ -120,6 +130,9 @@ class ManagedMemory:
         for v in reserve:
             if not (isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(v) and v >= 0):
                 raise PartitionError(f"ManagedMemory.reserve: expected non-negative bytes, found {self.reserve!r}")
+        for op_id, v in (self.arena or {}).items():
+            if not _is_int(v) or v < 0:
+                raise PartitionError(f"ManagedMemory.arena[{op_id!r}]: expected non-negative bytes (int), found {v!r}")
 
     def reserves(self, num_stages: int) -> tuple[float, ...]:
         if isinstance(self.reserve, tuple):
@@ -131,7 +144,13 @@ class ManagedMemory:
 
     def state_bytes(self, op: OpCost) -> int:
         """Device bytes of one active op's state: weights, grads (same size) and, on the device, its
-        optimizer state."""
+        optimizer state; with an ``arena``, the op's bytes there."""
+        if self.arena is not None:
+            try:
+                return int(self.arena[op.op_id])
+            except KeyError:
+                raise PartitionError(f"ManagedMemory.arena: expected the arena bytes of every op, found none for "
+                                     f"{op.op_id!r}") from None
         return 2 * op.param_bytes + (op.optim_bytes if self.optimizer == "device" else 0)
 
 
@@ -245,6 +264,7 @@ class _Tables:
     act_floor: np.ndarray | None = None  # (P, N+1) prefix of each op's least activation bytes ("auto")
     act_max: np.ndarray | None = None    # (N+1, N+1) [i, j]: the largest act_bytes of ops i..j-1 ("auto")
     reserve: np.ndarray | None = None    # (P,) bytes kept for prefetching
+    arena_only: bool = False             # the budget bounds the manager's arena alone
 
 
 def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
@@ -273,7 +293,8 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
     if mm is not None:
         managed["resident"] = np.concatenate(([0], np.cumsum([mm.state_bytes(op) for op in ops]))).astype(np.int64)
         managed["reserve"] = np.array(mm.reserves(P), dtype=float)
-        if mm.activations == "auto":
+        managed["arena_only"] = mm.arena is not None
+        if mm.activations == "auto" and mm.arena is None:
             # pipeline.plan.activations' model with every op at its smallest choice: keep F*a,
             # swap min(F, 2)*a, recompute F*x (x: its input, cut_bytes[k]; the first op's is the
             # stage input, counted apart), plus the largest recomputed a (allowing every op)
@@ -309,6 +330,8 @@ def _stage_cost(t: _Tables, s, i, j):
     time_ = (t.compute[j] - t.compute[i]) + np.where(s > 0, t.comm[i], 0.0) + np.where(s < t.P - 1, t.comm[j], 0.0)
     if t.resident is None:
         memory = (t.static[j] - t.static[i]) + t.in_flight[s] * ((t.act[j] - t.act[i]) + t.cut[i])
+    elif t.arena_only:
+        memory = (t.resident[j] - t.resident[i]) + t.reserve[s]
     elif t.act_floor is None:
         memory = ((t.resident[j] - t.resident[i]) + t.in_flight[s] * ((t.act[j] - t.act[i]) + t.cut[i])
                   + t.reserve[s])
@@ -396,7 +419,7 @@ def _infeasible(problem: PartitionProblem, t: _Tables, memory: list[np.ndarray],
         f"{budget / _MIB:.2f} MiB: short by {short / _MIB:.2f} MiB ({short:.0f} bytes). Hint: raise "
         f"memory_budget[{s}], use more stages, or hold fewer micro-batches in flight "
         f"(schedule '1f1b' or a smaller num_microbatches; this problem uses {problem.schedule!r}, "
-        f"M={problem.num_microbatches}){_manager_hint(problem.memory)}.", short_by=short, stage=s)
+        f"M={problem.num_microbatches}){_manager_hint(problem.memory)}.", short_by=short, stage=s, closest=part)
 
 
 def _manager_hint(mm: ManagedMemory | None) -> str:
@@ -405,7 +428,7 @@ def _manager_hint(mm: ManagedMemory | None) -> str:
     hints = []
     if mm.optimizer == "device":
         hints.append("keep the optimizer state on the host (ManagedMemory.optimizer='host')")
-    if mm.activations == "keep":
+    if mm.activations == "keep" and mm.arena is None:
         hints.append("let activations be swapped or recomputed (ManagedMemory.activations='auto')")
     return "".join(f", or {h}" for h in hints)
 
