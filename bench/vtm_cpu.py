@@ -54,16 +54,19 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose("config", overrides=overrides)
 
 
-def footprints(overrides: list[str]) -> tuple[int, int]:
-    """(whole supernet, largest subnet) bytes in the arena, from the run's own config."""
+def footprints(overrides: list[str], optimizer: str) -> tuple[int, int]:
+    """(whole supernet, largest subnet) bytes in the arena, from the run's own config, with the
+    optimizer state on the host or the device (``memory.optimizer``)."""
     import supernet.spaces  # noqa: F401
+    from pipeline.memory_settings import MemorySettings
     from pipeline.tensors import TensorManager
     from search.config import build_data, build_space, load_config
 
     rc = load_config(compose(overrides))
     data = build_data(rc.data)
     graph = build_space(rc.space, data.input_shape, data.num_classes)
-    tm = TensorManager(graph, rc.seed, rc.train.optimizer, rc.device if rc.device != "auto" else "cpu")
+    tm = TensorManager(graph, rc.seed, rc.train.optimizer, rc.device if rc.device != "auto" else "cpu",
+                       memory=MemorySettings(optimizer=optimizer))
     by_node: dict[str, int] = {}
     for slot in graph.slots():
         by_node[slot.node] = max(by_node.get(slot.node, 0), tm.footprint([slot.op_id]))
@@ -127,8 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--setting", action="append", choices=sorted(SETTINGS), help="default: all")
     ap.add_argument("--policy", default="belady", choices=("belady", "lru", "on_demand"))
     ap.add_argument("--budget-scale", type=float, default=1.0, help="budget = scale x the largest subnet")
-    ap.add_argument("--cpu-copies", default="thread", choices=("thread", "inline"),
-                    help="memory.cpu_copies: a background copy thread, or copies on the calling thread")
+    ap.add_argument("--cpu-copies", default="inline", choices=("thread", "inline"),
+                    help="memory.cpu_copies: copies on the calling thread (the default), or a background thread")
+    ap.add_argument("--optimizer", default="host", choices=("host", "device"),
+                    help="memory.optimizer: the state stays on the host and is updated there (the default), "
+                         "or travels with its op")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -137,11 +143,11 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     for name in args.setting or sorted(SETTINGS):
         base = [*SETTINGS[name], *COMMON, f"device={args.device}"]
-        supernet_bytes, largest = footprints(base)
+        supernet_bytes, largest = footprints(base, args.optimizer)
         budget = int(largest * args.budget_scale)
         modes = {"resident": base,
                  "budget": [*base, f"memory.device_budget_bytes={budget}", f"memory.policy={args.policy}",
-                            f"memory.cpu_copies={args.cpu_copies}"]}
+                            f"memory.cpu_copies={args.cpu_copies}", f"memory.optimizer={args.optimizer}"]}
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for r in range(args.rounds):
             order = list(modes) if r % 2 == 0 else list(reversed(modes))
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         mem = runs["budget"][0]["memory"]
         out = {
             "kind": "summary", "setting": name, "device": args.device, "policy": args.policy,
+            "optimizer": args.optimizer,
             "cpu_copies": args.cpu_copies if args.device == "cpu" else None,
             "supernet_bytes": supernet_bytes, "largest_subnet_bytes": largest, "budget_bytes": budget,
             "oversubscription": round(supernet_bytes / budget, 2), "rounds": args.rounds,

@@ -331,7 +331,7 @@ class InlineCopier:
     def close(self) -> None: ...
 
 
-def make_copier(device: torch.device, cpu_copies: str = "thread") -> Copier:
+def make_copier(device: torch.device, cpu_copies: str = "inline") -> Copier:
     if device.type == "cuda":
         return CudaCopier(device)
     return InlineCopier() if cpu_copies == "inline" else ThreadCopier()

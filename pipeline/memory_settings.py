@@ -22,9 +22,15 @@ everything); it is separate from the arena, as gradients are. ``optimizer``: whe
 per parameter each way, weights and both moments) or ``host`` (it stays in the op's host
 home and the host updates it: 4 bytes of weights per parameter go to the device, 4 of
 gradients come back, and the device copy is stale after each step, so every use fetches).
-``cpu_copies`` (CPU only): ``thread`` copies on a background thread (the CPU stand-in for a
-CUDA side stream), ``inline`` on the calling thread (on a CPU both tiers are host memory, and
-on a small machine the thread costs more than it hides).
+``host`` is the default: simulated on NASPipe's space (``bench/vtm.py``, bench/RESULTS.md) it
+wins 11 of 16 settings at NASPipe's batch and is the only placement that meets both throughput
+targets at 4x and 8x over-subscription; ``device`` is better where subnets reuse many ops and
+memory is not tight, or where the host cannot update a stage's share of a subnet within a step.
+``cpu_copies`` (CPU only): ``inline`` (the default) copies on the calling thread, ``thread`` on a
+background thread, the CPU stand-in for a CUDA side stream (the same control flow: handles
+waited on before use, copies in order). On a CPU both tiers are host memory, so there is no
+copy engine to overlap with: measured on the 2-core machine the thread cost +9-14 % per step
+against +2 % inline (bench/RESULTS.md), hence the default.
 """
 from __future__ import annotations
 
@@ -55,8 +61,8 @@ class MemorySettings:
     activations: str = "keep"
     activation_budget_bytes: int | None = None
     host_link_bandwidth: float = 25e9
-    optimizer: str = "device"
-    cpu_copies: str = "thread"
+    optimizer: str = "host"
+    cpu_copies: str = "inline"
 
     @property
     def virtual(self) -> bool:

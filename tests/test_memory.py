@@ -56,10 +56,11 @@ def run(space: str, optim: str, memory: MemorySettings | None, steps: int = STEP
     return out
 
 
-def tight_budget(space: str, optim: str, steps: int = STEPS) -> int:
-    """The smallest budget this run can use: the largest footprint of its steps' subnets."""
+def tight_budget(space: str, optim: str, steps: int = STEPS, optimizer: str = "device") -> int:
+    """The smallest budget this run can use: the largest footprint of its steps' subnets (with
+    the optimizer state on the device unless ``optimizer`` says otherwise)."""
     graph = build_graph(space)
-    tm = TensorManager(graph, 0, optim_of(optim))
+    tm = TensorManager(graph, 0, optim_of(optim), memory=MemorySettings(optimizer=optimizer))
     return max(tm.footprint(op.op_id for op in graph.active_ops(a)) for a in arch_stream(graph, 0, steps + 1))
 
 
@@ -74,7 +75,9 @@ def no_static_check(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_budget_that_forces_evictions_computes_the_same_bits(space: str, optim: str, no_static_check) -> None:
     budget = tight_budget(space, optim)
     ref = run(space, optim, None)
-    got = run(space, optim, MemorySettings(device_budget_bytes=budget), audit=True)
+    # copies on the background thread: the CUDA side stream's control flow (the default is inline)
+    got = run(space, optim, MemorySettings(device_budget_bytes=budget, optimizer="device", cpu_copies="thread"),
+              audit=True)
     for key in ("losses", "mb", "eval", "digest"):
         assert got[key] == ref[key], f"{space}/{optim}: {key} differs with the manager"
     assert all(st.evictions > 0 for st in got["steps"][1:]), f"{space}/{optim}: the budget should force evictions"
@@ -93,7 +96,7 @@ def test_the_host_updated_optimizer_computes_the_same_bits(space: str, optim: st
     room, every used op leaves the device after its step, and the bits do not change."""
     ref = run(space, optim, None)
     device_only = tight_budget(space, optim)
-    mem = MemorySettings(device_budget_bytes=device_only, optimizer="host")
+    mem = MemorySettings(device_budget_bytes=device_only, optimizer="host", cpu_copies="thread")
     got = run(space, optim, mem, audit=True)
     for key in ("losses", "mb", "eval", "digest"):
         assert got[key] == ref[key], f"{space}/{optim}: {key} differs with the host-updated optimizer"
@@ -106,7 +109,7 @@ def test_the_host_updated_optimizer_computes_the_same_bits(space: str, optim: st
 def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
     budget = tight_budget("cell", "adamw")
     ref = run("cell", "adamw", None)
-    got = run("cell", "adamw", MemorySettings(device_budget_bytes=budget, cpu_copies="inline"), audit=True)
+    got = run("cell", "adamw", MemorySettings(device_budget_bytes=budget, cpu_copies="inline", optimizer="device"), audit=True)
     assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"]
     assert got["stats"].late == 0 and all(not a.stray for a in got["audits"])
 
@@ -115,7 +118,7 @@ def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
 def test_baseline_policies_compute_the_same_bits(policy: str, no_static_check) -> None:
     budget = tight_budget("conv", "sgd")
     ref = run("conv", "sgd", None)
-    got = run("conv", "sgd", MemorySettings(device_budget_bytes=budget, policy=policy))
+    got = run("conv", "sgd", MemorySettings(device_budget_bytes=budget, policy=policy, optimizer="device"))
     assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"]
     if policy == "on_demand":  # nothing fetched ahead: every fetch is a miss
         assert got["stats"].late == 0 and got["stats"].misses == got["stats"].fetches - 0 > 0
@@ -125,9 +128,10 @@ def test_prefetch_hides_fetches_with_room_for_two_steps() -> None:
     """With the whole supernet's room, after the first step every use is a hit or a fetch
     made ahead; on demand, every first use is a miss."""
     graph = build_graph("transformer")
-    room = TensorManager(graph, 0, optim_of("sgd")).footprint(s.op_id for s in graph.slots())
-    ahead = run("transformer", "sgd", MemorySettings(device_budget_bytes=room, prefetch_depth=2))
-    lazy = run("transformer", "sgd", MemorySettings(device_budget_bytes=room, policy="on_demand"))
+    dev = MemorySettings(optimizer="device")  # with the state on the host every use fetches
+    room = TensorManager(graph, 0, optim_of("sgd"), memory=dev).footprint(s.op_id for s in graph.slots())
+    ahead = run("transformer", "sgd", MemorySettings(device_budget_bytes=room, prefetch_depth=2, optimizer="device"))
+    lazy = run("transformer", "sgd", MemorySettings(device_budget_bytes=room, policy="on_demand", optimizer="device"))
     assert sum(st.misses for st in ahead["steps"][1:]) == 0
     assert sum(st.misses for st in lazy["steps"]) == lazy["stats"].fetches > 0
     assert ahead["digest"] == lazy["digest"]
@@ -209,8 +213,10 @@ def test_ops_migrate_between_resident_and_virtual_managers_from_host_memory(opti
 
 def test_only_dirty_ops_are_written_back() -> None:
     g = small_graph()
+    dev = MemorySettings(optimizer="device")
     tm = TensorManager(g, 0, optim_of("sgd"), own=["l0/a", "l0/b"],
-                       memory=MemorySettings(device_budget_bytes=TensorManager(g, 0, optim_of("sgd")).footprint(["l0/b"])))
+                       memory=MemorySettings(device_budget_bytes=TensorManager(g, 0, optim_of("sgd"), memory=dev)
+                                             .footprint(["l0/b"]), optimizer="device"))
     with torch.no_grad():  # used without a step (and no buffers): clean
         tm.ensure(["l0/a"])
         tm.module("l0/a")(torch.ones(2, 8), ctx=OpContext(0, 0, 0, "l0/a", False))
