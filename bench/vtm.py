@@ -272,8 +272,12 @@ def hide_threshold(rows: list[dict], share: float = 0.02) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["simulate"], default="simulate",
-                    help="simulate (analytic costs; the only mode so far; a CUDA 'measure' mode goes beside it)")
+    ap.add_argument("--mode", choices=["simulate", "measure"], default=None,
+                    help="simulate (analytic costs, the default) or measure: real runs of the app with the tensor "
+                         "manager against all-resident (bench/vtm_cpu.py; further options go to it)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="measure on this device; --device cuda implies --mode measure (host<->device bandwidth, "
+                         "stall time, torch.cuda.max_memory_allocated against the budget)")
     ap.add_argument("--subnets", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
@@ -289,7 +293,15 @@ def main() -> None:
     ap.add_argument("--hbm", type=float, default=2e12)
     ap.add_argument("--overhead", type=float, default=1e-5)
     ap.add_argument("--host-update", type=float, default=1.5e9, help="host AdamW parameters/s per stage")
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.mode == "measure" or (args.mode is None and args.device is not None):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import vtm_cpu
+
+        vtm_cpu.main(["--device", args.device or "cpu", *rest])
+        return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     t0 = time.perf_counter()
     space = build_space(args.subnets, args.seed, args.flops, args.hbm, args.overhead)
     progress(f"cost table and {args.subnets} subnets in {time.perf_counter() - t0:.1f} s")

@@ -46,8 +46,13 @@ def one_run(overrides: list[str], stages: int, device: str) -> dict[str, Any]:
         summary = json.loads((Path(out) / "summary.json").read_text())
         steps = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     secs = [r["seconds"] for r in steps[1:]]
+    moving = [r for r in steps[1:] if r["migrated_ops"] > 0]
     return {"wall_s": round(wall, 2), "train_time_s": summary["train_time_s"],
             "step_s_median": statistics.median(secs), "params_digest": summary["params_digest"],
+            # steps where ops moved: the median time moving them on rank 0's critical path, and bytes
+            "migrating_steps": len(moving),
+            "migration_s_median": statistics.median(r["migration_s"] for r in moving) if moving else 0.0,
+            "migrated_bytes_per_step": statistics.fmean(r["migrated_bytes"] for r in steps),
             "memory": summary.get("memory")}
 
 
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         "paired_step_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)],
         "overhead_pct_train": round(100 * (statistics.median(train) - 1), 2),
         "same_digest": len({x["params_digest"] for rs in runs.values() for x in rs}) == 1,
+        "migration_s_median_resident": statistics.median(x["migration_s_median"] for x in runs["resident"]),
+        "migration_s_median_budget": statistics.median(x["migration_s_median"] for x in runs["budget"]),
         "rank0_memory": mem,
     }), flush=True)
 

@@ -44,6 +44,7 @@ class StepResult:
     migrated_ops: int = 0
     migrated_bytes: int = 0
     memory: MemoryStats | None = None  # the tensor manager's counters for this step (this rank)
+    migration_s: float = 0.0  # this rank's time moving ops on the step's critical path
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,8 @@ class PipelineEngine:
         st.wall_s, st.busy_s, st.max_in_flight, st.wait_s = wall, run.busy_s + opt_s, run.max_in_flight, run.wait_s
         st.swapped_bytes, st.recomputed_ops = (policy.swapped_bytes, policy.recomputed_ops) if policy else (0, 0)
         return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
-                          st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory)
+                          st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory,
+                          migration_s=st.migration_s)
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()

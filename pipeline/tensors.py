@@ -259,39 +259,35 @@ class TensorManager:
 
     # -- training --------------------------------------------------------------------------
     def step(self, op_ids: Iterable[str], lr: float) -> None:
-        """One optimizer step for each of ``op_ids`` (ops without gradients are left alone)."""
+        """One optimizer step for each of ``op_ids`` (ops without gradients are left alone), all
+        in one optimizer call. With the optimizer on the host (``memory.optimizer=host``) each
+        op's gradients go to its host home first and the op leaves the device; the update then
+        runs on the host homes."""
         if self._store is None:
             self._step_together(op_ids, lr)
             return
-        host_update = self._store is not None and self._store.host_update
+        op_ids = list(dict.fromkeys(op_ids))
+        host_update = self._store.host_update
+        stepped = []
         for op_id in op_ids:
-            opt = self._optims[op_id]
-            if self._store is not None:
-                self._store.use(op_id, mutates=False)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            self._store.use(op_id, mutates=False)
+            params = [p for g in self._optims[op_id].param_groups for p in g["params"]]
             if host_update:  # gradients to the host, the op leaves the device, the host updates it
-                params = [p for g in opt.param_groups for p in g["params"]]
                 grads = self._store.to_host(op_id)
                 if len(grads) == len(params):  # (an op without parameters has one placeholder)
                     for p, g in zip(params, grads):
                         p.grad = g
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            if host_update or any(p.grad is not None for p in params):
+                stepped.append(op_id)
+        self._step_together(op_ids, lr)
+        for op_id in stepped:
+            if host_update:
                 self._store.host_stepped(op_id)
-                continue
-            stepped = self._store is not None and any(
-                p.grad is not None for g in opt.param_groups for p in g["params"])
-            n_state = len(opt.state)
-            opt.step()
-            if len(opt.state) != n_state:  # state created lazily: the op takes more bytes now
-                self._bytes.pop(op_id, None)
-            opt.zero_grad(set_to_none=True)
-            if stepped:
+            else:
                 self._store.stepped(op_id)
 
     def _step_together(self, op_ids: Iterable[str], lr: float) -> None:
-        """All-resident: the ops' parameters stepped by one optimizer call instead of one call
+        """The ops' parameters (those with gradients) stepped by one optimizer call instead of one call
         per op (each call costs ~40 us of hooks and bookkeeping; a subnet has tens of ops).
         The per-parameter arithmetic is the same (``foreach=False`` updates each parameter on
         its own), and the state lives where it did: ``state`` maps each parameter to its own

@@ -243,7 +243,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
                     "step": step, "arch": dict(arch), "loss": _finite(res.loss), "lr": schedule(step),
                     "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
                     "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
-                    **_memory_fields(res.memory),
+                    "migration_s": res.migration_s, **_memory_fields(res.memory),
                     **({"nonfinite": t.nonfinite} if bad is not None else {}),
                 }) + "\n")
                 metrics.flush()

@@ -63,7 +63,7 @@ def test_run_writes_metrics_summary_and_checkpoint(tiny_run: tuple[Path, dict]) 
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(12))
     for m in metrics:
-        assert {"step", "arch", "loss", "samples_per_s", "lr", "migrated_ops", "migrated_bytes"} <= m.keys()
+        assert {"step", "arch", "loss", "samples_per_s", "lr", "migrated_ops", "migrated_bytes", "migration_s"} <= m.keys()
         assert set(m["arch"]) == {"layer00", "layer01"} and m["loss"] > 0 and m["samples_per_s"] > 0
     assert metrics[0]["lr"] < metrics[1]["lr"]  # warm-up, then cosine decay
     assert metrics[-1]["lr"] < metrics[2]["lr"]
