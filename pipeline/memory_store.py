@@ -230,9 +230,8 @@ class VirtualStore:
         grads = []
         for p in rec.params:
             g = p.grad
-            if g is not None:
-                host_g = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.device.type == "cuda"
-                                     and self.settings.host_memory == "pinned")
+            if g is not None and g.device.type != "cpu":  # (a CPU gradient is in host memory already)
+                host_g = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.settings.host_memory == "pinned")
                 host_g.copy_(g)  # synchronous: the update below reads it at once
                 self._totals["written_back_bytes"] += host_g.nbytes
                 g = host_g

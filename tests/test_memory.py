@@ -188,7 +188,9 @@ def test_ops_migrate_between_resident_and_virtual_managers_from_host_memory(opti
     """An op in host memory is exported without a fetch; migration either way keeps its
     optimizer state (the continued training equals one that never moved)."""
     g, cfg = small_graph(), optim_of(optim)
-    mem = MemorySettings(device_budget_bytes=TensorManager(g, 0, cfg).footprint(["l0/b"]))  # one op at a time
+    dev = MemorySettings(optimizer="device")  # the state travels with the op: evicting a stepped op writes back
+    mem = MemorySettings(device_budget_bytes=TensorManager(g, 0, cfg, memory=dev).footprint(["l0/b"]),
+                         optimizer="device")  # one op at a time
     stay = TensorManager(g, 0, cfg, own=["l0/a", "l0/b"])
     virt = TensorManager(g, 0, cfg, own=["l0/a", "l0/b"], memory=mem)
     for tm in (stay, virt):
