@@ -209,3 +209,19 @@ def test_auto_activations_in_one_process_and_a_budget_below_the_floor() -> None:
     with pytest.raises(ValueError, match=r"memory.activation_budget_bytes: stage 0 .* short by \d+ bytes"):
         run_scenario(Scenario(**{**sc.__dict__, "memory": {"activations": "auto",
                                                             "activation_budget_bytes": least - 1}}))
+
+
+def test_a_static_split_that_overflows_an_arena_names_the_budget() -> None:
+    """The static planner does not move its split for the arena; a split that overflows it is an
+    error naming the field, the planner and the shortfall (pure planning, no processes)."""
+    from pipeline import MemoryBudgetError
+
+    static = Scenario(**{**ARENA.__dict__, "planner": "static"})
+    budget = least_feasible(ARENA, 2, "device_budget_bytes", tight_budget(ARENA.space, ARENA.optimizer, ARENA.steps))
+    need = unconstrained_need(static, 2)
+    assert budget < need  # the dynamic planner fits where the static split does not
+    with pytest.raises(MemoryBudgetError, match=r"memory.device_budget_bytes: the static planner's split of "
+                                                r"subnet .* short by \d+ bytes") as e:
+        planned(static, 2, {"device_budget_bytes": budget})
+    assert 0 < e.value.short_by <= need - budget
+    planned(static, 2, {"device_budget_bytes": need})  # enough for every static split
