@@ -67,10 +67,7 @@ def footprints(overrides: list[str], optimizer: str) -> tuple[int, int]:
     graph = build_space(rc.space, data.input_shape, data.num_classes)
     tm = TensorManager(graph, rc.seed, rc.train.optimizer, rc.device if rc.device != "auto" else "cpu",
                        memory=MemorySettings(optimizer=optimizer))
-    by_node: dict[str, int] = {}
-    for slot in graph.slots():
-        by_node[slot.node] = max(by_node.get(slot.node, 0), tm.footprint([slot.op_id]))
-    return tm.footprint(s.op_id for s in graph.slots()), sum(by_node.values())
+    return tm.footprint(s.op_id for s in graph.slots()), tm.largest_subnet_footprint()
 
 
 def one_run(overrides: list[str], device: str) -> dict[str, Any]:

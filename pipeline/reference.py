@@ -64,10 +64,7 @@ class ReferenceEngine:
 
     def _check_budget(self) -> None:
         """The largest subnet (the biggest candidate of every slot, and the fixed ops) must fit."""
-        by_node: dict[str, int] = {}
-        for slot in self.graph.slots():
-            by_node[slot.node] = max(by_node.get(slot.node, 0), self.tensors.footprint([slot.op_id]))
-        need, budget = sum(by_node.values()), self.tensors.stats().budget_bytes
+        need, budget = self.tensors.largest_subnet_footprint(), self.tensors.stats().budget_bytes
         if need > budget:
             from .memory import MemoryBudgetError
 

@@ -131,7 +131,7 @@ class PipelineEngine:
         with self.failures.failing(-1, "plan"):
             arenas: list = [None] * self.world_size
             dist.all_gather_object(arenas, self.tensors.stats().budget_bytes)
-        footprint = {slot.op_id: self.tensors.footprint([slot.op_id]) for slot in self.graph.slots()}
+        footprint = self.tensors.footprints(slot.op_id for slot in self.graph.slots())
         return MemoryModel(self.tensors.memory, tuple(int(b) for b in arenas), footprint)
 
     @property

@@ -241,16 +241,29 @@ class TensorManager:
         return self._store.audit() if self._store is not None else None
 
     def footprint(self, op_ids: Iterable[str]) -> int:
-        """Bytes ``op_ids`` take in the arena (aligned weights, buffers and, unless it is updated
-        on the host, optimizer state), computed from their specs without building real weights;
-        owned or not."""
+        """Bytes ``op_ids`` take in the arena together (see :meth:`footprints`)."""
+        return sum(self.footprints(op_ids).values())
+
+    def largest_subnet_footprint(self) -> int:
+        """Bytes the largest subnet takes in the arena: every slot's biggest candidate, and the
+        fixed ops (the least budget with which any subnet of the supernet can run in one process)."""
+        sizes = self.footprints(slot.op_id for slot in self.graph.slots())
+        by_node: dict[str, int] = {}
+        for slot in self.graph.slots():
+            by_node[slot.node] = max(by_node.get(slot.node, 0), sizes[slot.op_id])
+        return sum(by_node.values())
+
+    def footprints(self, op_ids: Iterable[str]) -> dict[str, int]:
+        """Per op, the bytes it takes in the arena (aligned weights, buffers and, unless it is
+        updated on the host, optimizer state), computed from its spec without building real
+        weights; owned or not."""
         align = alignment_for(self.device)
-        total = 0
+        out = {}
         for op_id in op_ids:
             with torch.device("meta"):
                 module = build_op(self._slot(op_id).spec, op_id, self.seed, seeded=False)
-            total += device_bytes(op_layout(module, self._state_keys, align), self.memory.optimizer == "host")
-        return total
+            out[op_id] = device_bytes(op_layout(module, self._state_keys, align), self.memory.optimizer == "host")
+        return out
 
     def close(self) -> None:
         """Wait for copies in flight and stop the copy thread."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import Scenario, run_scenario, spawn
+from pipeline.tensors import TensorManager
 from test_memory import tight_budget
 
 pytestmark = pytest.mark.dist
@@ -104,7 +105,7 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
     if settings.virtual:
         tm = TensorManager(graph, sc.seed, optim_of(sc.optimizer), memory=settings)
         model = MemoryModel(settings, (settings.device_budget_bytes,) * stages,
-                            {slot.op_id: tm.footprint([slot.op_id]) for slot in graph.slots()})
+                            tm.footprints(slot.op_id for slot in graph.slots()))
         tm.close()
     planner = LookaheadPlanner(graph, sc.seed, stages, sc.microbatches,
                                PipelineSettings(schedule=sc.schedule, planner=sc.planner, **sc.extra), None,
@@ -134,8 +135,6 @@ def least_feasible(sc: Scenario, stages: int, field_: str, hi: int, **memory) ->
             lo = mid
     return hi
 
-
-from pipeline.tensors import TensorManager  # noqa: E402  (used by the helpers above)
 
 ARENA = Scenario("cell", "1f1b", steps=4, eval_archs=1)
 
