@@ -24,22 +24,26 @@ then alternates one forward and one backward, then drains the remaining backward
     stage 2 |  2F0   2B0   2F1   2B1   2F2   2B2   2F3   2B3
 
 Columns are positions in each stage's list, not clock ticks; :mod:`pipeline.plan.simulate` gives
-the timed view. Everything here is pure: values in, values out.
+the timed view. Cross-subnet schedules (:mod:`pipeline.plan.admission`) keep several subnets in
+flight: their actions name the subnet (``1F0@3``), each (subnet, stage) has an explicit update
+``U``, and :class:`WaitRule` says what every action waits for. Everything here is pure: values
+in, values out.
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 
 __all__ = [
-    "Action", "Schedule", "ScheduleError", "SCHEDULES",
+    "Action", "Schedule", "ScheduleError", "SCHEDULES", "Wait", "WaitRule", "Move",
     "gpipe", "one_f_one_b", "forward_only", "build",
     "in_flight", "max_in_flight", "validate", "format_grid",
 ]
 
-KINDS = ("F", "B")
-_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
+KINDS = ("F", "B", "U")
+_ACTION_RE = re.compile(r"^(\d+)(?:([FB])(\d+)|(U))(?:@(\d+))?$")
 
 
 class ScheduleError(ValueError):
@@ -48,49 +52,103 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """Stage ``stage`` runs the forward (``"F"``) or backward (``"B"``) of one micro-batch."""
+    """Stage ``stage`` runs the forward (``"F"``) or backward (``"B"``) of one micro-batch of
+    subnet ``subnet``, or that subnet's optimizer update of the stage's ops (``"U"``,
+    ``microbatch`` 0). Prints as ``1F0`` (subnet 0), ``1B2@5`` (subnet 5) or ``1U@5``."""
 
     stage: int
     kind: str
     microbatch: int
+    subnet: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("stage", "microbatch"):
+        for name in ("stage", "microbatch", "subnet"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ScheduleError(f"Action.{name}: expected a non-negative int, found {v!r}")
         if self.kind not in KINDS:
             raise ScheduleError(f"Action.kind: expected one of {list(KINDS)}, found {self.kind!r}")
+        if self.kind == "U" and self.microbatch != 0:
+            raise ScheduleError(f"Action.microbatch: an update ('U') covers every micro-batch; expected 0, "
+                                f"found {self.microbatch}")
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        body = f"{self.stage}U" if self.kind == "U" else f"{self.stage}{self.kind}{self.microbatch}"
+        return f"{body}@{self.subnet}" if self.subnet else body
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parse ``"1F0"`` back into ``Action(1, "F", 0)``."""
+        """Parse ``"1F0"`` back into ``Action(1, "F", 0)``, ``"0U@3"`` into ``Action(0, "U", 0, 3)``."""
         match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if match is None:
             raise ScheduleError(
-                f"Action.parse: expected '<stage><F|B><microbatch>' such as '1F0' or '0B3', found {text!r}"
+                f"Action.parse: expected '<stage><F|B><microbatch>[@<subnet>]' such as '1F0', '0B3' or '2F1@4', "
+                f"or '<stage>U[@<subnet>]', found {text!r}"
             )
-        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+        stage, kind, mb, upd, subnet = match.groups()
+        return cls(int(stage), kind or upd, int(mb) if mb else 0, int(subnet) if subnet else 0)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One thing an action waits for: ``action`` (None: the schedule's start) must have run.
+
+    ``message``: what travels from ``action``'s stage to the waiting one — ``"activation"``,
+    ``"gradient"``, ``"losses"`` (the last stage's micro-batch losses of a subnet, which every
+    update needs) or ``"state"`` (``op``'s weights and optimizer state moving stage); None: the
+    two actions are on the same stage and only their order matters."""
+
+    action: Action | None
+    message: str | None = None
+    op: str | None = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """Op ``op`` moves from stage ``src`` to ``dst``: sent when ``after`` has run (None: at the
+    schedule's start), needed by ``before``."""
+
+    op: str
+    src: int
+    dst: int
+    after: Action | None
+    before: Action
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """One ordered tuple of actions per stage; ``training=False`` for forward-only schedules."""
+    """One ordered tuple of actions per stage; ``training=False`` for forward-only schedules.
+
+    One-subnet schedules (GPipe, 1F1B) list F and B only; the update follows the last action.
+    Cross-subnet schedules (:mod:`pipeline.plan.admission`) name the subnet of every action and
+    list an explicit update ``U`` per (subnet, stage); ``uses[t][s]`` is the set of ops with state
+    (parameters or buffers) that subnet ``t`` runs on stage ``s``, from which :class:`WaitRule`
+    derives every wait. ``frozen`` ops are never updated (no order between subnets);
+    ``delayed`` ops are read ``delay`` updates late (subnet ``t`` reads the state after the
+    update of subnet ``t - delay - 1``, updates still in subnet order); every other op is read
+    after the update of the subnet before that uses it (exact). ``origin``: the stage of each
+    op before the schedule starts (None: every op already sits where it is first used).
+    """
 
     name: str
     num_stages: int
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     training: bool = True
+    num_subnets: int = 1
+    uses: tuple[tuple[frozenset[str], ...], ...] | None = None
+    frozen: frozenset[str] = frozenset()
+    delayed: frozenset[str] = frozenset()
+    delay: int = 0
+    origin: tuple[tuple[str, int], ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "num_microbatches"):
+        for name in ("num_stages", "num_microbatches", "num_subnets"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ScheduleError(f"Schedule.{name}: expected a positive int, found {v!r}")
+        if not isinstance(self.delay, int) or isinstance(self.delay, bool) or self.delay < 0:
+            raise ScheduleError(f"Schedule.delay: expected an int >= 0, found {self.delay!r}")
         actions = tuple(tuple(row) for row in self.actions)
         object.__setattr__(self, "actions", actions)
         if len(actions) != self.num_stages:
@@ -101,9 +159,164 @@ class Schedule:
             for a in row:
                 if not isinstance(a, Action):
                     raise ScheduleError(f"Schedule.actions: expected Action values, found {a!r}")
+        if self.uses is not None:
+            uses = tuple(tuple(frozenset(ops) for ops in row) for row in self.uses)
+            object.__setattr__(self, "uses", uses)
+            if len(uses) != self.num_subnets or any(len(row) != self.num_stages for row in uses):
+                raise ScheduleError(
+                    f"Schedule.uses: expected {self.num_subnets} subnets x {self.num_stages} stages of op sets, "
+                    f"found {[len(row) for row in uses]}")
+        object.__setattr__(self, "frozen", frozenset(self.frozen))
+        object.__setattr__(self, "delayed", frozenset(self.delayed))
+        if isinstance(self.origin, Mapping):
+            object.__setattr__(self, "origin", tuple(sorted(self.origin.items())))
 
     def __str__(self) -> str:
         return format_grid(self)
+
+    @property
+    def updates(self) -> bool:
+        """Whether the schedule lists its updates (a cross-subnet schedule) or implies one at the end."""
+        return any(a.kind == "U" for row in self.actions for a in row)
+
+    @cached_property
+    def rule(self) -> WaitRule:
+        """The wait rule of this schedule (one per schedule; every user asks it)."""
+        return WaitRule(self.num_stages, self.num_microbatches, self.num_subnets, self.uses, self.frozen,
+                        self.delayed, self.delay, dict(self.origin) if self.origin is not None else None,
+                        self.updates, self.training)
+
+
+class WaitRule:
+    """The one definition of what an action waits for; the validator, the simulator, the
+    admission builder and the stage executor all ask it.
+
+    * ``F(t, m, s)`` waits for ``F(t, m, s - 1)`` (its input activation);
+    * ``B(t, m, s)`` waits for ``F(t, m, s)`` (same stage) and ``B(t, m, s + 1)`` (its gradient);
+    * ``U(t, s)`` waits for every ``B(t, m, s)`` and, off the last stage, ``U(t, P - 1)``, which
+      sends the subnet's micro-batch losses (an update is skipped when one is not finite);
+    * with ``uses``: ``F(t, 0, s)`` waits, for each op it runs, for the update that produces the
+      version it reads — the last earlier subnet using the op (exact), the one ``delay + 1``
+      users back (delayed), none (frozen) — on the stage that op had then (a ``state`` message
+      when it moves); ``U(t, s)`` of a delayed op waits for the previous update of that op.
+
+    Each wait names the message it receives, so a sender knows what to send after each action
+    (:meth:`sends`) and a receiver in which order messages come (:meth:`channel`).
+    """
+
+    def __init__(self, num_stages: int, num_microbatches: int, num_subnets: int,
+                 uses: tuple[tuple[frozenset[str], ...], ...] | None, frozen: frozenset[str],
+                 delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None, updates: bool,
+                 training: bool = True) -> None:
+        self.P, self.M, self.T = num_stages, num_microbatches, num_subnets
+        self.uses, self.frozen, self.delayed, self.delay = uses, frozen, delayed, delay
+        self.origin, self.updates, self.training = origin, updates, training
+        # per op: the (subnet, stage) of each use, in subnet order
+        self.users: dict[str, list[tuple[int, int]]] = {}
+        for t, row in enumerate(uses or ()):
+            for s, ops in enumerate(row):
+                for op in sorted(ops):
+                    self.users.setdefault(op, []).append((t, s))
+        self._index = {op: {t: k for k, (t, _) in enumerate(us)} for op, us in self.users.items()}
+        self._cache: dict[Action, tuple[Wait, ...]] = {}
+
+    def stage_of(self, op: str, subnet: int) -> int:
+        return self.users[op][self._index[op][subnet]][1]
+
+    def producer(self, op: str, subnet: int) -> tuple[int, int] | None:
+        """The (subnet, stage) whose update produces the version of ``op`` that ``subnet`` reads
+        (None: the state the op had before the schedule)."""
+        k = self._index[op][subnet]
+        if op in self.frozen:
+            return None
+        back = self.delay + 1 if op in self.delayed else 1
+        return self.users[op][k - back] if k - back >= 0 else None
+
+    def waits(self, a: Action) -> tuple[Wait, ...]:
+        got = self._cache.get(a)
+        if got is None:
+            got = self._cache[a] = tuple(self._waits(a))
+        return got
+
+    def _waits(self, a: Action):
+        P, s, t, m = self.P, a.stage, a.subnet, a.microbatch
+        if a.kind == "F":
+            if s > 0:
+                yield Wait(Action(s - 1, "F", m, t), "activation")
+            if m == 0 and self.uses is not None:
+                for op in sorted(self.uses[t][s]):
+                    yield from self._state_waits(op, t, s)
+        elif a.kind == "B":
+            yield Wait(Action(s, "F", m, t))
+            if s < P - 1:
+                yield Wait(Action(s + 1, "B", m, t), "gradient")
+        else:
+            for k in range(self.M):
+                yield Wait(Action(s, "B", k, t))
+            if s < P - 1:
+                yield Wait(Action(P - 1, "U", 0, t), "losses")
+            if self.uses is not None:
+                for op in sorted(self.uses[t][s] & self.delayed):
+                    k = self._index[op][t]
+                    if k > 0:
+                        t0, s0 = self.users[op][k - 1]
+                        yield Wait(Action(s0, "U", 0, t0))
+
+    def _state_waits(self, op: str, t: int, s: int):
+        """What ``F(t, 0, s)`` waits for on account of ``op``: the producing update, and the op
+        itself when it sits elsewhere (moved after its previous user's update)."""
+        k = self._index[op][t]
+        prev = self.users[op][k - 1] if k > 0 else None
+        prod = self.producer(op, t)
+        if prod is not None and prod[1] == s and (prev is None or prev[1] == s):
+            yield Wait(Action(s, "U", 0, prod[0]))
+        if prev is None:
+            src = self.origin.get(op, s) if self.origin is not None else s
+            if src != s:
+                yield Wait(None, "state", op)
+        elif prev[1] != s:
+            yield Wait(Action(prev[1], "U", 0, prev[0]), "state", op)
+
+    def moves(self) -> tuple[Move, ...]:
+        """Every op move the schedule implies, in subnet order."""
+        out = []
+        for op, us in self.users.items():
+            for k, (t, s) in enumerate(us):
+                src = us[k - 1][1] if k > 0 else (self.origin.get(op, s) if self.origin is not None else s)
+                if src != s:
+                    after = Action(src, "U", 0, us[k - 1][0]) if k > 0 else None
+                    out.append(Move(op, src, s, after, Action(s, "F", 0, t)))
+        return tuple(sorted(out, key=lambda mv: (mv.before.subnet, mv.op)))
+
+    def sends(self, a: Action | None) -> tuple[tuple[int, Wait], ...]:
+        """The messages the stage of ``a`` sends when ``a`` has run (None: at the start), as
+        (destination stage, wait), in sending order: activations or gradients, losses to every
+        other stage, then op states by op name."""
+        if a is None:
+            return tuple((mv.dst, Wait(None, "state", mv.op)) for mv in self._moves_after.get(None, ()))
+        out: list[tuple[int, Wait]] = []
+        if a.kind == "F" and a.stage < self.P - 1:
+            out.append((a.stage + 1, Wait(a, "activation")))
+        elif a.kind == "B" and a.stage > 0 and self.training:
+            out.append((a.stage - 1, Wait(a, "gradient")))
+        elif a.kind == "U" and a.stage == self.P - 1:
+            out += [(s, Wait(a, "losses")) for s in range(self.P - 1)]
+        out += [(mv.dst, Wait(a, "state", mv.op)) for mv in self._moves_after.get(a, ())]
+        return tuple(out)
+
+    @cached_property
+    def _moves_after(self) -> dict[Action | None, list[Move]]:
+        by: dict[Action | None, list[Move]] = {}
+        for mv in sorted(self.moves(), key=lambda mv: (mv.dst, mv.op)):
+            by.setdefault(mv.after, []).append(mv)
+        return by
+
+    def channel(self, rows: Sequence[Sequence[Action]], src: int, dst: int) -> list[Wait]:
+        """The messages stage ``src`` sends ``dst`` over the whole schedule, in sending order."""
+        out = [w for d, w in self.sends(None) if d == dst]
+        for a in rows[src]:
+            out += [w for d, w in self.sends(a) if d == dst]
+        return out
 
 
 # ---------------------------------------------------------------------------------- builders
@@ -183,7 +396,7 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     for row in schedule.actions:
         live = peak = 0
         for a in row:
-            live += 1 if a.kind == "F" else -1
+            live += {"F": 1, "B": -1}.get(a.kind, 0)
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
@@ -217,8 +430,9 @@ def _fail(schedule: Schedule, what: str, mark: Action | Iterable[Action] | None 
 
 
 def _check_actions(schedule: Schedule) -> None:
-    """Every action on its own stage, in range, exactly once; F before B on each stage."""
-    M = schedule.num_microbatches
+    """Every action on its own stage, in range, exactly once; F before B on each stage; with
+    updates, one U per subnet and stage after that subnet's backwards."""
+    M, T, upd = schedule.num_microbatches, schedule.num_subnets, schedule.updates
     for s, row in enumerate(schedule.actions):
         seen: set[Action] = set()
         for a in row:
@@ -226,27 +440,46 @@ def _check_actions(schedule: Schedule) -> None:
                 raise _fail(schedule, f"{a} is listed on stage {s} but belongs to stage {a.stage}", a)
             if a.microbatch >= M:
                 raise _fail(schedule, f"{a}: micro-batch {a.microbatch} is out of range 0..{M - 1}", a)
-            if a.kind == "B" and not schedule.training:
-                raise _fail(schedule, f"{a}: a forward-only schedule must not run a backward", a)
+            if a.subnet >= T:
+                raise _fail(schedule, f"{a}: subnet {a.subnet} is out of range 0..{T - 1}", a)
+            if a.kind != "F" and not schedule.training:
+                raise _fail(schedule, f"{a}: a forward-only schedule must not run a backward or an update", a)
             if a in seen:
                 raise _fail(schedule, f"{a} appears more than once on stage {s}; expected exactly once", a)
-            if a.kind == "B" and Action(s, "F", a.microbatch) not in seen:
-                raise _fail(schedule, f"{a} runs before {Action(s, 'F', a.microbatch)} on stage {s}; "
+            if a.kind == "B" and Action(s, "F", a.microbatch, a.subnet) not in seen:
+                raise _fail(schedule, f"{a} runs before {Action(s, 'F', a.microbatch, a.subnet)} on stage {s}; "
                                       "a backward needs its forward's activations", a)
+            if a.kind == "U":
+                late = [str(Action(s, "B", m, a.subnet)) for m in range(M) if Action(s, "B", m, a.subnet) not in seen]
+                if late:
+                    raise _fail(schedule, f"{a} runs before {', '.join(late)}; an update needs every backward "
+                                          "of its subnet on its stage", a)
             seen.add(a)
-        kinds = KINDS if schedule.training else ("F",)
-        missing = [str(Action(s, k, m)) for k in kinds for m in range(M) if Action(s, k, m) not in seen]
+        kinds = ("F", "B") if schedule.training else ("F",)
+        missing = [str(Action(s, k, m, t)) for t in range(T) for k in kinds for m in range(M)
+                   if Action(s, k, m, t) not in seen]
+        if upd:
+            missing += [str(Action(s, "U", 0, t)) for t in range(T) if Action(s, "U", 0, t) not in seen]
         if missing:
-            raise _fail(schedule, f"stage {s} never runs {', '.join(missing)}; expected every micro-batch "
-                                  f"0..{M - 1} {'forward and backward' if schedule.training else 'forward'}")
+            raise _fail(schedule, f"stage {s} never runs {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; "
+                                  f"expected every micro-batch 0..{M - 1} "
+                                  f"{'forward and backward' if schedule.training else 'forward'}"
+                                  f"{' and one update' if upd else ''} of every subnet")
+    if T > 1 and not upd and schedule.training:
+        raise ScheduleError(f"schedule {schedule.name!r}: {T} subnets but no update actions; a schedule of "
+                            "several subnets lists each subnet's update per stage ('U')")
 
 
-def _order(row: tuple[Action, ...], kind: str) -> list[Action]:
-    return [a for a in row if a.kind == kind]
+def _order(row: tuple[Action, ...], kind: str, subnet: int | None = None) -> list[Action]:
+    return [a for a in row if a.kind == kind and (subnet is None or a.subnet == subnet)]
 
 
 def _check_channels(schedule: Schedule) -> None:
-    """Each receiver consumes a channel's messages in the order its sender sends them."""
+    """Without updates (the one-subnet executor, which receives in action order): each receiver
+    consumes a channel's messages in the order its sender sends them. A schedule with updates is
+    run by an executor that receives each channel in sending order and keeps what comes early."""
+    if schedule.updates:
+        return
     rows = schedule.actions
     for s in range(schedule.num_stages - 1):
         channels = [("activation", s, s + 1, "F")]
@@ -263,47 +496,75 @@ def _check_channels(schedule: Schedule) -> None:
                         "messages arrive in send order, so both orders must match"), b)
 
 
-def _check_backward_order(schedule: Schedule) -> None:
+def _check_microbatch_order(schedule: Schedule) -> None:
+    """Backwards (and, with updates, forwards) of each subnet run in ascending micro-batch order
+    on every stage: the backward order is the gradient accumulation order, which fixes the
+    floating-point sum; the forward order is the order batch-norm statistics are updated in."""
+    kinds = ("B", "F") if schedule.updates else ("B",)
     if not schedule.training:
         return
     for s, row in enumerate(schedule.actions):
-        bs = _order(row, "B")
-        for prev, a in zip(bs, bs[1:]):
-            if a.microbatch < prev.microbatch:
-                raise _fail(schedule, (
-                    f"{a} runs after {prev}: backwards must run in ascending micro-batch order on every "
-                    "stage (the gradient accumulation order, which fixes the floating-point sum)"), a)
+        for kind in kinds:
+            for t in range(schedule.num_subnets):
+                xs = _order(row, kind, t)
+                for prev, a in zip(xs, xs[1:]):
+                    if a.microbatch < prev.microbatch:
+                        what = "backwards" if kind == "B" else "forwards"
+                        raise _fail(schedule, (
+                            f"{a} runs after {prev}: {what} must run in ascending micro-batch order on every "
+                            "stage (the gradient accumulation order, which fixes the floating-point sum)"), a)
 
 
-def _waits_for(a: Action, num_stages: int) -> Action | None:
-    """The action on another stage whose message ``a`` receives, or None."""
-    if a.kind == "F" and a.stage > 0:
-        return Action(a.stage - 1, "F", a.microbatch)
-    if a.kind == "B" and a.stage < num_stages - 1:
-        return Action(a.stage + 1, "B", a.microbatch)
-    return None
+def _check_update_order(schedule: Schedule) -> None:
+    """Ops read the version the rule says: a forward after the update it reads on its own stage,
+    and ops read late (delayed) or never updated (frozen) keep their stage."""
+    if schedule.uses is None:
+        return
+    rule = schedule.rule
+    for op in sorted(schedule.delayed | schedule.frozen):
+        stages = {s for _, s in rule.users.get(op, ())}
+        if len(stages) > 1:
+            mode = "delayed" if op in schedule.delayed else "frozen"
+            raise ScheduleError(f"schedule {schedule.name!r}: {mode} op {op!r} runs on stages {sorted(stages)}; "
+                                f"a {mode} op must keep one stage in every subnet")
+    for s, row in enumerate(schedule.actions):
+        pos = {a: i for i, a in enumerate(row)}
+        for a in row:
+            for w in rule.waits(a):
+                if w.message is None and w.action is not None and pos.get(w.action, len(row)) > pos[a]:
+                    if w.action.kind == "U" and a.kind in "FU":
+                        op = sorted(schedule.uses[a.subnet][s] & schedule.uses[w.action.subnet][s])
+                        raise _fail(schedule, (
+                            f"{a} runs before {w.action} on stage {s}, but subnet {a.subnet} must read the ops "
+                            f"{op[:4]} as updated by subnet {w.action.subnet}: this breaks the op update order "
+                            "(each op is updated in subnet order and read after the update it depends on)"),
+                            (a, w.action))
 
 
 def _check_deadlock(schedule: Schedule) -> None:
-    """Run every stage in order; receives block until sent, sends never block."""
-    rows, P = schedule.actions, schedule.num_stages
+    """Run every stage in order; receives block until sent (and keep what comes early), sends
+    never block."""
+    rows, P, rule = schedule.actions, schedule.num_stages, schedule.rule
     done: set[Action] = set()
     pos = [0] * P
     progress = True
+
+    def blocked_on(a: Action) -> list[Wait]:
+        return [w for w in rule.waits(a) if w.action is not None and w.action not in done]
+
     while progress:
         progress = False
         for s in range(P):
             while pos[s] < len(rows[s]):
                 a = rows[s][pos[s]]
-                dep = _waits_for(a, P)
-                if dep is not None and dep not in done:
+                if blocked_on(a):
                     break
                 done.add(a)
                 pos[s] += 1
                 progress = True
     blocked = [rows[s][pos[s]] for s in range(P) if pos[s] < len(rows[s])]
     if blocked:
-        waits = "; ".join(f"{a} waits for {_waits_for(a, P)}" for a in blocked)
+        waits = "; ".join(f"{a} waits for {blocked_on(a)[0].action}" for a in blocked)
         raise _fail(schedule, f"deadlock: no stage can make progress ({waits})", blocked)
 
 
@@ -316,6 +577,7 @@ def validate(schedule: Schedule) -> Schedule:
         raise ScheduleError(f"validate: expected a Schedule, found {type(schedule).__name__}")
     _check_actions(schedule)
     _check_channels(schedule)
-    _check_backward_order(schedule)
+    _check_microbatch_order(schedule)
+    _check_update_order(schedule)
     _check_deadlock(schedule)
     return schedule
