@@ -28,17 +28,21 @@ __all__ = [
 def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                   settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None,
                   failure_dir: str | None = None, memory: MemorySettings | None = None,
-                  trace_steps: Iterable[int] = ()) -> Engine:
+                  trace_steps: Iterable[int] = (), checkpoint_every: int = 0) -> Engine:
     """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
     RANK/WORLD_SIZE is set), else one pipeline stage per rank. ``failure_dir`` (the run
     directory's ``failures/``) is where a failing rank leaves the note its peers quote.
     ``memory``: the tensor manager's device budget (per process: per stage under torchrun).
-    ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them)."""
+    ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them).
+    ``checkpoint_every``: where the run's checkpoint boundaries fall (delayed shared ops read no
+    version from before the last one, so a resumed run computes what an uninterrupted one does)."""
     env = env if env is not None else dist_env()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if env is None:
-        return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps)
+        return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps,
+                               shared_ops=settings.shared_ops, shared_delay=settings.shared_delay,
+                               checkpoint_every=checkpoint_every)
     from .runtime import PipelineEngine
 
     return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
-                          trace_steps=trace_steps, memory=memory)
+                          trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every)

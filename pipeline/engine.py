@@ -27,8 +27,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
-    "split_batch", "update", "activation_policy",
+    "split_batch", "update", "activation_policy", "StepInput", "lookahead", "PLAN_AHEAD",
 ]
+
+StepInput = tuple  # (step, arch, x, y): one training step handed to ``Engine.train_steps``
+PLAN_AHEAD = 2  # subnets of the sampler's lookahead an engine plans (or fetches) in the background
+
+
+def lookahead(items: Sequence[StepInput], i: int, upcoming: Sequence[Arch]) -> list[Arch]:
+    """The subnets that follow ``items[i]``: the rest of ``items``, then ``upcoming``."""
+    return ([it[1] for it in items[i + 1:]] + list(upcoming))[:PLAN_AHEAD]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,10 @@ class Engine(Protocol):
     def is_main(self) -> bool: ...
 
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult: ...
+
+    def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
+        """Train ``items`` (step, arch, x, y), in training order, several in flight where the
+        engine can; returns one result per item. ``upcoming``: the subnets after them (a hint)."""
 
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
         """A hint: the archs that follow the next ``train_step``'s (the sampler's lookahead)."""

@@ -19,11 +19,13 @@ import torch
 from supernet import Arch, Slice, SupernetGraph, build_op, cut
 
 from .memory_plan import MemoryModel, arena_error, check_fits
+from .plan.admission import SubnetWork
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .plan.partition import Partition, PartitionError
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
 from .settings import PipelineSettings
+from .shared import stateful_ops
 from .wire import MetaModules, WireSpecs, wire_specs
 
 __all__ = ["Plan", "LookaheadPlanner"]
@@ -42,6 +44,7 @@ class Plan:
     activations: tuple[Mapping[str, str], ...] | None = None
     sample: tuple[tuple[int, ...], torch.dtype] | None = None
     wires: WireSpecs | None = None
+    work: SubnetWork | None = None  # the estimated per-stage times and op uses a cross-subnet schedule is built from
 
     @property
     def active(self) -> list:
@@ -60,6 +63,7 @@ class LookaheadPlanner:
         self.optim_name = optim_name
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
         self.planner = None
+        self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
         self.sample: tuple[tuple[int, ...], torch.dtype] | None = None  # one training micro-batch
         specs = {slot.op_id: slot.spec for slot in graph.slots()}
         self._meta = MetaModules(lambda op_id: build_op(specs[op_id], op_id, seed, seeded=False))
@@ -127,7 +131,24 @@ class LookaheadPlanner:
         acts = mm.activation_choices(problem, part.bounds) if mm is not None else None
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         slices = cut(active, part.bounds, self.graph.output)
-        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts)
+        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts, work=self._work(problem, part, slices))
+
+    def _work(self, problem, part: Partition, slices: Sequence[Slice]) -> SubnetWork:
+        """What a cross-subnet schedule needs of this plan: each stage's ops with state and the
+        estimated seconds of its forward, backward and sends (pure, from the cost table)."""
+        b, P = part.bounds, self.num_stages
+        fwd = tuple(sum(op.fwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
+        bwd = tuple(sum(op.bwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
+        send = tuple(problem.latency + problem.cut_bytes[b[c + 1]] / problem.bandwidth for c in range(P - 1))
+        uses = tuple(frozenset(op.op_id for op in sl.ops) & self.stateful for sl in slices)
+        return SubnetWork(uses, fwd, bwd, send)
+
+    def move_seconds(self) -> dict[str, float]:
+        """Per op: the estimated seconds its move between stages takes (weights and optimizer
+        state on the link, plus the fixed cost per move)."""
+        s = self.settings
+        return {op_id: (c.param_bytes + c.optim_bytes) / s.link_bandwidth + s.link_latency_s + s.migration_overhead_s
+                for op_id, c in self.costs.ops.items()}
 
     def with_wires(self, plan: Plan) -> Plan:
         """``plan`` with the wire specs of the current training micro-batch shape."""
@@ -140,7 +161,8 @@ class LookaheadPlanner:
             shape, dtype = self.sample
             wires = wire_specs(plan.slices, self._meta, shape, dtype, self.seed) if self.num_stages > 1 else None
             _remember(self._wires, key, wires)
-        return Plan(plan.arch, plan.partition, plan.slices, plan.digest, plan.activations, self.sample, wires)
+        return Plan(plan.arch, plan.partition, plan.slices, plan.digest, plan.activations, self.sample, wires,
+                    plan.work)
 
     def key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
         return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))

@@ -21,12 +21,13 @@ import torch
 from supernet import Arch, SliceRun, SupernetGraph, classification_loss, op_contexts
 from supernet.execute import whole_slice
 
-from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, recalibrated_bn,
-                     split_batch, update)
+from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, lookahead,
+                     recalibrated_bn, split_batch, update)
 from .memory_plan import MemoryModel
 from .memory_settings import MemorySettings
 from .plan.costs import CostTable, analytic_costs, subnet_problem
 from .tensors import OptimConfig, TensorManager
+from .shared import SharedOps, shared_ops_of
 from .trace import Span, Tracer
 
 __all__ = ["ReferenceEngine"]
@@ -38,7 +39,8 @@ class ReferenceEngine:
 
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int,
                  lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None,
-                 trace_steps: Iterable[int] = ()) -> None:
+                 trace_steps: Iterable[int] = (), shared_ops: str = "exact", shared_delay: int = 1,
+                 checkpoint_every: int = 0) -> None:
         self.graph = graph
         self.seed = seed
         self.microbatches = microbatches
@@ -54,6 +56,8 @@ class ReferenceEngine:
         self._model = MemoryModel(self.tensors.memory)
         self._costs: CostTable | None = None  # for memory.activations=auto, at the first batch's shape
         self._choices: dict[Arch, Mapping[str, str] | None] = {}
+        # ops in every subnet: exact, read late or frozen, as the pipelined engine runs them
+        self.shared = SharedOps(shared_ops, shared_delay, shared_ops_of(graph), checkpoint_every, self.tensors.module)
 
     @property
     def is_main(self) -> bool:
@@ -89,8 +93,11 @@ class ReferenceEngine:
         losses = []
         span = self.tracer.span
         policy = self.last_policy = activation_policy(self._activation_choices(arch, x))
+        for op in ops:
+            self.shared.begin(op, step)
+        module = lambda op: self.shared.module(op, step)  # noqa: E731 - the op as subnet ``step`` reads it
         for mb, (xm, ym) in enumerate(split_batch(x.to(self.device), y.to(self.device), self.microbatches)):
-            run = SliceRun(sl, self.tensors.module, op_contexts(self.seed, step, mb, True), policy)
+            run = SliceRun(sl, module, op_contexts(self.seed, step, mb, True), policy)
             with span(step, f"0F{mb}", "forward"):
                 (out,) = run.forward([xm])
                 loss = classification_loss(out, ym, batch)  # in the graph: one backward call
@@ -98,9 +105,23 @@ class ReferenceEngine:
                 run.backward_loss(loss)
             losses.append(loss.item())
         with span(step, "optimizer", "optimizer"):
-            update(self.tensors, ops, self.lr(step), losses)  # nothing changes when a loss is not finite
+            for op in ops:
+                self.shared.before_update(op, step)
+            # nothing changes when a loss is not finite; frozen shared ops never change
+            update(self.tensors, [op for op in ops if op not in self.shared.frozen], self.lr(step), losses)
+            for op in ops:
+                self.shared.after_update(op, step)
         mem = self.tensors.release_step()
         return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
+
+    def train_steps(self, items: Sequence[tuple[int, Arch, torch.Tensor, torch.Tensor]],
+                    upcoming: Sequence[Arch] = ()) -> list[StepResult]:
+        """Train ``items`` (step, arch, x, y) in order; ``upcoming``: the subnets after them."""
+        out = []
+        for i, (step, arch, x, y) in enumerate(items):
+            self.plan_ahead(lookahead(items, i, upcoming))
+            out.append(self.train_step(step, arch, x, y))
+        return out
 
     def _activation_choices(self, arch: Arch, x: torch.Tensor) -> Mapping[str, str] | None:
         """``memory.activations`` for ``arch``'s ops (memoised per subnet; pure)."""

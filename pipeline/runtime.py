@@ -20,6 +20,7 @@ has a timeout: no hang.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
 import time
@@ -34,16 +35,20 @@ from supernet import Arch, SupernetGraph
 
 from .agreement import Agreement, AgreementError
 from .evaluation import evaluate_stage
-from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, split_batch,
-                     update)
+from .engine import (EvalResult, LrSchedule, StepInput, StepResult, activation_policy, graph_has_batchnorm,
+                     lookahead, split_batch, update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
 from .memory_plan import MemoryModel
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
-from .plan.schedule import Schedule, build as build_schedule, validate
+from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
 from .settings import DistEnv, PipelineSettings
+from .cross import CrossExecutor, Segment
+from .plan.admission import cross_subnet
+from .plan.placement import stages_of
+from .shared import SharedOps, shared_ops_of
 from .stage import StageExecutor
 from .memory_settings import MemorySettings
 from .tensors import OptimConfig, TensorManager
@@ -78,7 +83,8 @@ class PipelineEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                  settings: PipelineSettings, env: DistEnv, device: torch.device,
                  failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None,
-                 trace_steps: Iterable[int] = (), memory: MemorySettings | None = None) -> None:
+                 trace_steps: Iterable[int] = (), memory: MemorySettings | None = None,
+                 checkpoint_every: int = 0) -> None:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
@@ -122,6 +128,13 @@ class PipelineEngine:
         self.stage = StageExecutor(self.rank, self.schedule, self._schedule_transport, self.failures, self.tracer,
                                    self.device, seed)
         self._last_arch: Arch | None = None  # the subnet of the last training step
+        # several subnets in flight, or shared ops read late or frozen: cross-subnet schedules
+        self.shared = SharedOps(settings.shared_ops, settings.shared_delay, shared_ops_of(graph), checkpoint_every,
+                                self.tensors.module)
+        self.cross = CrossExecutor(self.rank, graph, self.tensors, self.shared, self._schedule_transport,
+                                   early if early is not None else self.transport, self.failures, self.tracer,
+                                   self.device, seed) if settings.cross else None
+        self.checkpoint_every = checkpoint_every
 
     def _memory_model(self) -> MemoryModel:
         """The planner's view of the memory settings: every stage's arena capacity (gathered:
@@ -223,6 +236,76 @@ class PipelineEngine:
         return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
                           st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory,
                           migration_s=st.migration_s)
+
+    def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
+        """Train ``items`` in order: one flushed step each (``pipeline.window`` 1, exact shared
+        ops), else as cross-subnet schedules, one per run of items between checkpoint boundaries."""
+        if self.cross is None:
+            out = []
+            for i, (step, arch, x, y) in enumerate(items):
+                self.plan_ahead(lookahead(items, i, upcoming))
+                out.append(self.train_step(step, arch, x, y))
+            return out
+        out, run = [], []
+        for item in items:  # a segment never spans a checkpoint boundary (delayed shared ops restart there)
+            if run and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
+                out += self._train_segment(run)
+                run = []
+            run.append(item)
+        return out + (self._train_segment(run) if run else [])
+
+    def _train_segment(self, items: Sequence[StepInput]) -> list[StepResult]:
+        """Subnets back to back without a flush: plan each (chained through the op placement
+        each leaves), build the cross-subnet schedule every rank builds alike, check that they
+        agree, run this stage's actions."""
+        t0 = time.perf_counter()
+        steps = tuple(int(it[0]) for it in items)
+        archs = [it[1] for it in items]
+        M = self.microbatches
+        with self.failures.failing(steps[0], "plan"):
+            self.planner.ensure(items[0][2], items[0][2].shape[0] // M, training=True)
+            plans, owners, prior = [], dict(self.owners), self._last_arch
+            for arch in archs:
+                plan = self.planner.plan_with(arch, owners, prior)
+                owners.update(stages_of(plan.active, plan.partition.bounds))
+                plans.append(plan)
+                prior = arch
+            used = set().union(*(u for p in plans for u in p.work.uses))
+            schedule = validate(cross_subnet(
+                [p.work for p in plans], M, self.settings.window, frozen=self.shared.frozen & used,
+                delayed=self.shared.delayed & used, delay=self.settings.shared_delay,
+                origin={op: self.owners[op] for op in used}, state_time=self.planner.move_seconds()))
+            self._agree(steps[0], schedule)
+        self.stats.plan_s = time.perf_counter() - t0
+        self.failures.schedule = schedule
+        dev = self.device
+        seg = Segment(steps, tuple(plans), schedule,
+                      tuple(split_batch(x.to(dev), y.to(dev), M) for _, _, x, y in items),
+                      tuple(int(it[2].shape[0]) for it in items), tuple(self.lr(s) for s in steps))
+        values, run = self.cross.run(seg)
+        for op, users in schedule.rule.users.items():  # where each op is now (every rank alike)
+            self.owners[op] = users[-1][1]
+        self._last_arch = archs[-1]
+        wall = time.perf_counter() - t0
+        moves = [0] * len(steps)
+        for mv in schedule.rule.moves():
+            moves[mv.before.subnet] += 1
+        st = self.stats
+        st.wall_s, st.busy_s, st.wait_s, st.max_in_flight = wall, run.busy_s + run.update_s, run.wait_s, run.max_in_flight
+        st.bounds = plans[-1].partition.bounds
+        return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t])
+                for t, (step, arch, v) in enumerate(zip(steps, archs, values))]
+
+    def _agree(self, step: int, schedule: Schedule) -> None:
+        """Every rank built the same schedule (it decides every message): one gather of its digest."""
+        if not self.settings.check_agreement or self.world_size == 1:
+            return
+        digest = hashlib.sha256(format_grid(schedule).encode()).hexdigest()[:16]
+        digests: list = [None] * self.world_size
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) > 1:
+            raise AgreementError(f"step {step}: the ranks built different cross-subnet schedules (digests by rank: "
+                                 f"{digests}); every rank must see the same subnets, costs and settings")
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()

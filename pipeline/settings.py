@@ -43,6 +43,15 @@ class PipelineSettings:
     link_latency_s: float = 5e-5
     memory_budget_bytes: float | None = None
     trace_steps: tuple[int, ...] = ()
+    window: int = 1
+    shared_ops: str = "exact"
+    shared_delay: int = 1
+
+    @property
+    def cross(self) -> bool:
+        """Whether training runs cross-subnet schedules (several subnets in flight, or shared
+        ops read late or frozen) rather than one flushed step per subnet."""
+        return self.window > 1 or self.shared_ops != "exact"
 
     def budgets(self, num_stages: int) -> tuple[float, ...] | None:
         return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
@@ -74,6 +83,12 @@ class PipelineSettings:
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps)):
             raise ValueError(f"pipeline.trace_steps: expected a list of step indices (integers >= 0), found {steps!r}")
         object.__setattr__(self, "trace_steps", tuple(sorted(set(steps))))  # from YAML it comes as a list
+        for name, lo in (("window", 1), ("shared_delay", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"pipeline.{name}: expected an integer >= {lo}, found {v!r}")
+        if self.shared_ops not in ("exact", "delayed", "frozen"):
+            raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
 

@@ -29,6 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import supernet.spaces  # noqa: F401 - registers the built-in spaces and their ops
 from pipeline import Engine, EvalResult, create_engine, params_digest
+from pipeline.engine import PLAN_AHEAD
 from supernet import Arch, SearchSpace, derive_seed
 
 from pipeline.trace import write_trace
@@ -61,7 +62,6 @@ class _RankLog(logging.LoggerAdapter):
         return f"[rank {self.extra['rank']}] {msg}", kwargs
 
 
-PLAN_AHEAD = 2  # subnets of the sampler's lookahead the engine plans in the background
 
 
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     # A failing pipeline rank leaves a note in failures/ that its peers quote in their reports.
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
                            rc.pipeline, rc.device, failure_dir=str(out / "failures"), memory=rc.memory,
-                           trace_steps=tuple(rc.pipeline.trace_steps))
+                           trace_steps=tuple(rc.pipeline.trace_steps), checkpoint_every=rc.train.checkpoint_every)
     rlog = _RankLog(log, {"rank": engine.rank})
     # On a terminal log lines go through the progress bar instead of tearing it
     with logging_redirect_tqdm() if _show_bars(engine) else nullcontext():
@@ -142,6 +142,9 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                    "best_per_generation": list(result.history)},
         "params_digest": params_digest(states) if states is not None else None,
         "world_size": engine.world_size,
+        # how subnets were trained together: in flight at once, and how ops in every subnet were read
+        "pipeline": {"window": rc.pipeline.window, "shared_ops": rc.pipeline.shared_ops,
+                     "shared_delay": rc.pipeline.shared_delay if rc.pipeline.shared_ops == "delayed" else None},
         "memory": _memory_totals(engine),  # the tensor manager over the whole run (training and search)
         "space_size": space.size(),
         "space": {"target": rc.space.target, "options": rc.space.options},  # what search.report rebuilds
@@ -226,47 +229,63 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
         return states
 
     skipped = 0
+    segment = max(32, 4 * rc.pipeline.window) if rc.pipeline.cross else 1
+
+    def _record(step: int, arch: Any, res: Any) -> None:
+        """One step's metrics line, progress, log line and non-finite handling."""
+        nonlocal skipped
+        # Every rank that has the micro-batch losses decides alike (the main rank always has them).
+        bad = next((m for m, v in enumerate(res.microbatch_losses) if not math.isfinite(v)), None)
+        if engine.is_main:
+            losses.append(res.loss)
+            metrics.write(json.dumps({
+                "step": step, "arch": dict(arch), "loss": _finite(res.loss), "lr": schedule(step),
+                "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
+                "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
+                "migration_s": res.migration_s, **_memory_fields(res.memory),
+                **({"nonfinite": t.nonfinite} if bad is not None else {}),
+            }) + "\n")
+            metrics.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
+        if bad is not None:
+            where = (f"step {step}: the loss is {res.microbatch_losses[bad]} at micro-batch {bad} of arch "
+                     f"{json.dumps(dict(arch), sort_keys=True)}")
+            if t.nonfinite == "stop":
+                saved = (f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {last_saved})"
+                         if last_saved > 0 else "no checkpoint was written")
+                raise NonFiniteLoss(
+                    f"{where}; stopped (train.nonfinite=stop); {saved}. Hint: lower train.optimizer.lr or "
+                    "add train.warmup_steps, or train.nonfinite=skip to skip such steps", step)
+            skipped += 1
+            rlog.warning("%s; skipped: no update (train.nonfinite=skip, %d so far)", where, skipped)
+        elif engine.is_main and (step + 1) % t.log_every == 0:
+            recent = [v for v in losses[-t.log_every:] if math.isfinite(v)]
+            if recent:
+                rlog.info("step %d/%d: loss %.4f (mean of last %d), lr %.4g", step + 1, t.steps,
+                          sum(recent) / len(recent), len(recent), schedule(step))
+
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
     metrics = (out / METRICS_NAME).open("a") if engine.is_main else None
     try:
-        for step in range(start, t.steps):
-            arch = sampler.next()
-            x, y = data.train_batch(step, t.batch_size)
-            engine.plan_ahead(sampler.peek(min(PLAN_AHEAD, t.steps - step - 1)))  # planned while this step runs
-            res = engine.train_step(step, arch, x, y)
-            # Every rank that has the micro-batch losses decides alike (the main rank always has them).
-            bad = next((m for m, v in enumerate(res.microbatch_losses) if not math.isfinite(v)), None)
-            if engine.is_main:
-                losses.append(res.loss)
-                metrics.write(json.dumps({
-                    "step": step, "arch": dict(arch), "loss": _finite(res.loss), "lr": schedule(step),
-                    "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
-                    "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
-                    "migration_s": res.migration_s, **_memory_fields(res.memory),
-                    **({"nonfinite": t.nonfinite} if bad is not None else {}),
-                }) + "\n")
-                metrics.flush()
-                bar.update(1)
-                bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
-            if bad is not None:
-                where = (f"step {step}: the loss is {res.microbatch_losses[bad]} at micro-batch {bad} of arch "
-                         f"{json.dumps(dict(arch), sort_keys=True)}")
-                if t.nonfinite == "stop":
-                    saved = (f"the last good checkpoint is {out / CHECKPOINT_NAME} (step {last_saved})"
-                             if last_saved > 0 else "no checkpoint was written")
-                    raise NonFiniteLoss(
-                        f"{where}; stopped (train.nonfinite=stop); {saved}. Hint: lower train.optimizer.lr or "
-                        "add train.warmup_steps, or train.nonfinite=skip to skip such steps", step)
-                skipped += 1
-                rlog.warning("%s; skipped: no update (train.nonfinite=skip, %d so far)", where, skipped)
-            elif engine.is_main and (step + 1) % t.log_every == 0:
-                recent = [v for v in losses[-t.log_every:] if math.isfinite(v)]
-                if recent:
-                    rlog.info("step %d/%d: loss %.4f (mean of last %d), lr %.4g", step + 1, t.steps,
-                              sum(recent) / len(recent), len(recent), schedule(step))
-            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
-                checkpoint(step + 1)
+        step = start
+        while step < t.steps:
+            # a segment: subnets the engine may keep in flight together (one without cross-subnet
+            # schedules); it ends at a checkpoint boundary, where nothing is in flight
+            stop = min(t.steps, step + segment)
+            if t.checkpoint_every:
+                stop = min(stop, (step // t.checkpoint_every + 1) * t.checkpoint_every)
+            items = []
+            for k in range(step, stop):
+                x, y = data.train_batch(k, t.batch_size)
+                items.append((k, sampler.next(), x, y))
+            upcoming = sampler.peek(min(PLAN_AHEAD, t.steps - stop))  # planned while these steps run
+            for (k, arch, _, _), res in zip(items, engine.train_steps(items, upcoming)):
+                _record(k, arch, res)
+            step = stop
+            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
+                checkpoint(step)
     finally:
         bar.close()
         if metrics is not None:

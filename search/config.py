@@ -340,6 +340,11 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
         raise ConfigError("pipeline.memory_budget_bytes: expected null when the tensor manager has a budget "
                           f"(memory.device_budget_bytes or device_budget_fraction), found "
                           f"{run.pipeline.memory_budget_bytes!r}: the manager's arena bounds each stage's split")
+    if run.memory.virtual and run.pipeline.cross:
+        raise ConfigError(f"pipeline.window / pipeline.shared_ops: expected window 1 and shared_ops exact with a "
+                          f"tensor-manager budget (memory.device_budget_bytes or device_budget_fraction), found window "
+                          f"{run.pipeline.window} and shared_ops {run.pipeline.shared_ops!r}: cross-subnet schedules "
+                          "do not yet bound the arena by every subnet in flight")
     root.done(ignore=("hydra",))
     return run
 
@@ -443,7 +448,15 @@ def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
     run with the same digest; search settings, threads, pipeline layout and paths may change, and
     a run stopped by a non-finite loss may resume with ``train.nonfinite=skip``."""
     data = _to_container(cfg)
+    pipe = data.get("pipeline") or {}
+    mode = pipe.get("shared_ops", "exact")
+    # shared ops read late or frozen change what training computes; so does, read late, where the
+    # checkpoint boundaries fall (no subnet reads a version from before the last boundary)
+    keep = ("checkpoint_every",) if mode == "delayed" else ()
     train = {k: v for k, v in data.get("train", {}).items()
-             if k not in ("checkpoint_every", "log_every", "nonfinite")}
-    return _digest({"seed": data.get("seed"), "space": data.get("space"), "sampler": data.get("sampler"),
-                    "data": data.get("data"), "train": train})
+             if k not in ("checkpoint_every", "log_every", "nonfinite") or k in keep}
+    fields = {"seed": data.get("seed"), "space": data.get("space"), "sampler": data.get("sampler"),
+              "data": data.get("data"), "train": train}
+    if mode != "exact":
+        fields["shared_ops"] = {"mode": mode, **({"delay": pipe.get("shared_delay", 1)} if mode == "delayed" else {})}
+    return _digest(fields)

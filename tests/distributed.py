@@ -49,6 +49,8 @@ class Scenario:
     trace_steps: tuple = ()  # steps whose spans are recorded (results: "spans", every rank's, on rank 0)
     diverge_rank: int = -1  # this rank samples another arch stream from step ``diverge_at`` on
     diverge_at: int = 0
+    segment: int = 0  # > 0: hand the engine this many steps at once (train_steps), as the app does
+    checkpoint_every: int = 0  # where checkpoint boundaries fall (delayed shared ops restart there)
 
 
 def build_graph(space: str):
@@ -77,7 +79,7 @@ def make_engine(sc: Scenario, graph, env=None):
     settings = PipelineSettings(schedule=sc.schedule, planner=sc.planner, timeout_s=30.0, **sc.extra)
     memory = MemorySettings(**sc.memory) if sc.memory else None
     return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env, memory=memory,
-                         trace_steps=tuple(sc.trace_steps))
+                         trace_steps=tuple(sc.trace_steps), checkpoint_every=sc.checkpoint_every)
 
 
 def run_scenario(sc: Scenario, env=None) -> dict:
@@ -93,11 +95,21 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
     resident_peak, evictions, swapped, recomputed = 0, 0, 0, 0
-    for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
-        x, y = step_data(sc.seed, step, sc.batch)
-        if sc.plan_ahead:
-            engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
-        r = engine.train_step(step, archs[step], x, y)
+    end = sc.steps if sc.stop is None else sc.stop
+
+    def results():
+        if sc.segment:  # as the app does: segments of steps, the next subnets as the lookahead
+            for first in range(sc.start, end, sc.segment):
+                items = [(k, archs[k], *step_data(sc.seed, k, sc.batch)) for k in range(first, min(end, first + sc.segment))]
+                yield from engine.train_steps(items, archs[items[-1][0] + 1: items[-1][0] + 3])
+            return
+        for step in range(sc.start, end):
+            x, y = step_data(sc.seed, step, sc.batch)
+            if sc.plan_ahead:
+                engine.plan_ahead(archs[step + 1 : step + 3])  # as the app does with the sampler's peek
+            yield engine.train_step(step, archs[step], x, y)
+
+    for r in results():
         bounds.append(list(getattr(getattr(engine, "stats", None), "bounds", ())))
         ahead += bool(getattr(getattr(engine, "stats", None), "planned_ahead", False))
         early += getattr(getattr(engine, "stats", None), "early_migrated_ops", 0)

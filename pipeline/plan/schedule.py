@@ -288,12 +288,13 @@ class WaitRule:
                     out.append(Move(op, src, s, after, Action(s, "F", 0, t)))
         return tuple(sorted(out, key=lambda mv: (mv.before.subnet, mv.op)))
 
-    def sends(self, a: Action | None) -> tuple[tuple[int, Wait], ...]:
-        """The messages the stage of ``a`` sends when ``a`` has run (None: at the start), as
-        (destination stage, wait), in sending order: activations or gradients, losses to every
-        other stage, then op states by op name."""
+    def sends(self, a: Action | None, stage: int | None = None) -> tuple[tuple[int, Wait], ...]:
+        """The messages the stage of ``a`` sends when ``a`` has run (None: what ``stage`` sends
+        at the start), as (destination stage, wait), in sending order: activations or gradients,
+        losses to every other stage, then op states by op name."""
         if a is None:
-            return tuple((mv.dst, Wait(None, "state", mv.op)) for mv in self._moves_after.get(None, ()))
+            return tuple((mv.dst, Wait(None, "state", mv.op)) for mv in self._moves_after.get(None, ())
+                         if mv.src == stage)
         out: list[tuple[int, Wait]] = []
         if a.kind == "F" and a.stage < self.P - 1:
             out.append((a.stage + 1, Wait(a, "activation")))
@@ -313,7 +314,7 @@ class WaitRule:
 
     def channel(self, rows: Sequence[Sequence[Action]], src: int, dst: int) -> list[Wait]:
         """The messages stage ``src`` sends ``dst`` over the whole schedule, in sending order."""
-        out = [w for d, w in self.sends(None) if d == dst]
+        out = [w for d, w in self.sends(None, src) if d == dst]
         for a in rows[src]:
             out += [w for d, w in self.sends(a) if d == dst]
         return out
