@@ -77,6 +77,13 @@ class StepStats:
     bounds: tuple[int, ...] = ()  # the partition of the last step (or evaluation)
     swapped_bytes: int = 0  # activations swapped to host memory (memory.activations)
     recomputed_ops: int = 0  # op forwards whose activations were recomputed in the backward
+    overlapped: int = 0  # cross-subnet, over the run: subnets that began here before the one before ended
+
+
+def overlapped(row: Sequence) -> int:
+    """How many subnets begin on this stage (first forward) before the one before is updated."""
+    pos = {(a.kind, a.microbatch, a.subnet): i for i, a in enumerate(row)}
+    return sum(1 for (k, m, t), i in pos.items() if k == "F" and m == 0 and t > 0 and i < pos[("U", 0, t - 1)])
 
 
 class PipelineEngine:
@@ -293,6 +300,7 @@ class PipelineEngine:
         st = self.stats
         st.wall_s, st.busy_s, st.wait_s, st.max_in_flight = wall, run.busy_s + run.update_s, run.wait_s, run.max_in_flight
         st.bounds = plans[-1].partition.bounds
+        st.overlapped += overlapped(schedule.actions[self.rank])
         return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t])
                 for t, (step, arch, v) in enumerate(zip(steps, archs, values))]
 

@@ -51,6 +51,7 @@ class Scenario:
     diverge_at: int = 0
     segment: int = 0  # > 0: hand the engine this many steps at once (train_steps), as the app does
     checkpoint_every: int = 0  # where checkpoint boundaries fall (delayed shared ops restart there)
+    sampler: str = "random"  # random (seeded uniform draws) or a search.samplers name (uniform, fair)
 
 
 def build_graph(space: str):
@@ -64,9 +65,14 @@ def step_data(seed: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def arch_stream(graph, seed: int, n: int):
-    rng = random.Random(seed)
+def arch_stream(graph, seed: int, n: int, sampler: str = "random"):
     space = graph.space()
+    if sampler != "random":
+        from search.samplers import make_sampler
+
+        s = make_sampler(sampler, space, seed)
+        return [s.next() for _ in range(n)]
+    rng = random.Random(seed)
     return [space.random(rng) for _ in range(n)]
 
 
@@ -88,13 +94,13 @@ def run_scenario(sc: Scenario, env=None) -> dict:
 
     graph = build_graph(sc.space)
     engine = make_engine(sc, graph, env)
-    archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs)
+    archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs, sc.sampler)
     if env is not None and env.rank == sc.diverge_rank:  # a misconfigured rank (agreement tests)
         archs[sc.diverge_at:] = arch_stream(graph, sc.seed + 1, len(archs) - sc.diverge_at)
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
-    resident_peak, evictions, swapped, recomputed = 0, 0, 0, 0
+    resident_peak, evictions, swapped, recomputed, overlapped = 0, 0, 0, 0, 0
     end = sc.steps if sc.stop is None else sc.stop
 
     def results():
@@ -119,6 +125,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         peaks = max(peaks, getattr(getattr(engine, "stats", None), "max_in_flight", 0))
         swapped += getattr(getattr(engine, "stats", None), "swapped_bytes", 0)
         recomputed += getattr(getattr(engine, "stats", None), "recomputed_ops", 0)
+        overlapped = max(overlapped, getattr(getattr(engine, "stats", None), "overlapped", 0))
         if r.memory is not None:
             resident_peak, evictions = max(resident_peak, r.memory.resident_bytes_peak), evictions + r.memory.evictions
     evals = []
@@ -135,7 +142,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
-        "swapped": swapped, "recomputed": recomputed, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "swapped": swapped, "recomputed": recomputed, "overlapped": overlapped, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
