@@ -1,0 +1,80 @@
+"""Cross-subnet pipelining from the command line: the app under torchrun equals one process.
+
+``pipeline.window`` > 1 keeps several subnets in flight; with ``shared_ops=exact`` the run is
+sequential training (the default run's digest), with ``delayed`` the one-process run of the same
+settings computes the same bits. Run directories, checkpoints at boundaries (nothing in flight
+is lost: the resumed run ends with the same digest) and the summary's record of the settings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from search.app import run
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["space.layers=2", "space.channels=[4,8]", "space.downsample_at=[1]",
+        "train.steps=12", "train.batch_size=32", "train.microbatches=2", "train.checkpoint_every=5",
+        "train.log_every=4", "train.warmup_steps=2", "search.population=4", "search.generations=2", "search.top_k=3",
+        "search.bn_calib_batches=1", "search.calib_batch_size=32", "threads=1"]
+DELAYED = ["pipeline.window=4", "pipeline.shared_ops=delayed", "pipeline.shared_delay=1", "sampler=fair"]
+
+
+def cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return {name: run(cfg(*extra), output_dir=tmp_path_factory.mktemp(name))
+            for name, extra in {"flushed": [], "exact": ["pipeline.window=4"], "delayed": DELAYED}.items()}
+
+
+def test_one_process_exact_window_is_sequential_and_delayed_is_recorded(one_process: dict) -> None:
+    assert one_process["exact"]["params_digest"] == one_process["flushed"]["params_digest"]
+    assert one_process["delayed"]["params_digest"] != one_process["flushed"]["params_digest"]
+    assert one_process["delayed"]["pipeline"] == {"window": 4, "shared_ops": "delayed", "shared_delay": 1}
+    assert one_process["flushed"]["pipeline"] == {"window": 1, "shared_ops": "exact", "shared_delay": None}
+
+
+def test_delayed_reads_change_the_train_digest(tmp_path: Path) -> None:
+    """A checkpoint of an exact run does not resume a delayed one (they train different weights)."""
+    from search.config import train_digest
+
+    assert train_digest(cfg()) == train_digest(cfg("pipeline.window=4"))  # window alone changes nothing
+    assert train_digest(cfg()) != train_digest(cfg(*DELAYED))
+    assert train_digest(cfg(*DELAYED)) != train_digest(cfg(*DELAYED[:2], "pipeline.shared_delay=2", "sampler=fair"))
+
+
+@pytest.mark.dist
+def test_torchrun_cross_subnet_matches_one_process_and_resumes(one_process: dict, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    args = [*TINY, *DELAYED, "pipeline.timeout_s=60", "pipeline.trace_steps=[6]", f"hydra.run.dir={tmp_path}/run"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["params_digest"] == one_process["delayed"]["params_digest"]
+    assert summary["top_k"] == one_process["delayed"]["top_k"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(12))
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    assert trace, "the traced step's spans are written"
+
+    # resume from the checkpoint at step 10 (as if interrupted after it): the same weights at the end
+    (tmp_path / "run" / "checkpoint.pt").replace(tmp_path / "run" / "checkpoint.pt.final")
+    (tmp_path / "run" / "checkpoint.prev.pt").replace(tmp_path / "run" / "checkpoint.pt")
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert resumed["resumed_from_step"] == 10
+    assert resumed["params_digest"] == one_process["delayed"]["params_digest"]
