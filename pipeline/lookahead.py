@@ -64,6 +64,7 @@ class LookaheadPlanner:
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
         self.planner = None
         self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
+        self.moves_stateful_only = settings.cross
         self.sample: tuple[tuple[int, ...], torch.dtype] | None = None  # one training micro-batch
         specs = {slot.op_id: slot.spec for slot in graph.slots()}
         self._meta = MetaModules(lambda op_id: build_op(specs[op_id], op_id, seed, seeded=False))
@@ -197,6 +198,13 @@ class LookaheadPlanner:
     def upcoming(self) -> list[Arch]:
         return self._upcoming
 
+    def placed(self, plan: Plan) -> dict[str, int]:
+        """Where ``plan`` leaves the ops that move: every active op between flushed steps; with
+        cross-subnet schedules (``moves_stateful_only``) only ops with state, since an op without
+        state runs wherever it is needed and never moves."""
+        where = stages_of(plan.active, plan.partition.bounds)
+        return {op: s for op, s in where.items() if op in self.stateful} if self.moves_stateful_only else where
+
     def start_ahead(self, owners: Mapping[str, int], before: Arch | None) -> None:
         """Plan the upcoming subnets in the background, chained from ``owners`` (after this
         step's migration) and the committed next plan."""
@@ -206,7 +214,7 @@ class LookaheadPlanner:
         self._ahead = {}
         nxt = self.committed
         if nxt is not None and nxt.arch == archs[0]:
-            owners.update(stages_of(nxt.active, nxt.partition.bounds))
+            owners.update(self.placed(nxt))
             archs, before = archs[1:], nxt.arch
 
         def chain() -> None:
@@ -215,7 +223,7 @@ class LookaheadPlanner:
                 key = self.key(arch, owners, prior)
                 plan = self.plan_with(arch, owners, prior)
                 self._ahead[key] = plan
-                owners.update(stages_of(plan.active, plan.partition.bounds))
+                owners.update(self.placed(plan))
                 prior = arch
 
         self._job = self._pool.submit(chain)

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,6 @@ from .plan.schedule import Schedule, build as build_schedule, format_grid, valid
 from .settings import DistEnv, PipelineSettings
 from .cross import CrossExecutor, Segment
 from .plan.admission import cross_subnet
-from .plan.placement import stages_of
 from .shared import SharedOps, shared_ops_of
 from .stage import StageExecutor
 from .memory_settings import MemorySettings
@@ -78,6 +78,17 @@ class StepStats:
     swapped_bytes: int = 0  # activations swapped to host memory (memory.activations)
     recomputed_ops: int = 0  # op forwards whose activations were recomputed in the backward
     overlapped: int = 0  # cross-subnet, over the run: subnets that began here before the one before ended
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A segment made ready: for which (archs, owners, subnet before), its plans and schedule,
+    and where it leaves the ops with state."""
+
+    key: tuple
+    plans: tuple[Plan, ...]
+    schedule: Schedule
+    owners: dict[str, int]
 
 
 def overlapped(row: Sequence) -> int:
@@ -142,6 +153,8 @@ class PipelineEngine:
                                    early if early is not None else self.transport, self.failures, self.tracer,
                                    self.device, seed) if settings.cross else None
         self.checkpoint_every = checkpoint_every
+        self._segment_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-segment")
+        self._ahead: Future | None = None  # the next segment's plans and schedule, being made
 
     def _memory_model(self) -> MemoryModel:
         """The planner's view of the memory settings: every stage's arena capacity (gathered:
@@ -253,36 +266,57 @@ class PipelineEngine:
                 self.plan_ahead(lookahead(items, i, upcoming))
                 out.append(self.train_step(step, arch, x, y))
             return out
-        out, run = [], []
+        runs: list[list] = [[]]
         for item in items:  # a segment never spans a checkpoint boundary (delayed shared ops restart there)
-            if run and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
-                out += self._train_segment(run)
-                run = []
-            run.append(item)
-        return out + (self._train_segment(run) if run else [])
+            if runs[-1] and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
+                runs.append([])
+            runs[-1].append(item)
+        out = []
+        for k, run in enumerate(runs):
+            after = run[-1][0] + 1  # the next segment: the next run of this call, else the lookahead up to a boundary
+            nxt = ([it[1] for it in runs[k + 1]] if k + 1 < len(runs)
+                   else list(upcoming)[:self.checkpoint_every - after % self.checkpoint_every
+                                       if self.checkpoint_every else None])
+            out += self._train_segment(run, nxt)
+        return out
 
-    def _train_segment(self, items: Sequence[StepInput]) -> list[StepResult]:
+    def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> _Prepared:
+        """The plans of ``archs`` (chained through the placement each leaves, from ``owners``
+        and the subnet before, ``prior``) and their cross-subnet schedule. Pure: every rank makes
+        the same, now or in the background a segment ahead."""
+        M, key = self.microbatches, (tuple(archs), dict(owners), prior)
+        plans, owners = [], dict(owners)
+        for arch in archs:
+            plan = self.planner.plan_with(arch, owners, prior)
+            owners.update(self.planner.placed(plan))
+            plans.append(plan)
+            prior = arch
+        used = set().union(*(u for p in plans for u in p.work.uses))
+        schedule = validate(cross_subnet(
+            [p.work for p in plans], M, self.settings.window, frozen=self.shared.frozen & used,
+            delayed=self.shared.delayed & used, delay=self.settings.shared_delay,
+            origin={op: key[1][op] for op in used}, state_time=self.planner.move_seconds()))
+        return _Prepared(key, tuple(plans), schedule, owners)
+
+    def _train_segment(self, items: Sequence[StepInput], upcoming: Sequence[Arch]) -> list[StepResult]:
         """Subnets back to back without a flush: plan each (chained through the op placement
-        each leaves), build the cross-subnet schedule every rank builds alike, check that they
-        agree, run this stage's actions."""
+        each leaves), build the cross-subnet schedule every rank builds alike (both made a
+        segment ahead, in the background), check that the ranks agree, run this stage's actions."""
         t0 = time.perf_counter()
         steps = tuple(int(it[0]) for it in items)
         archs = [it[1] for it in items]
         M = self.microbatches
         with self.failures.failing(steps[0], "plan"):
             self.planner.ensure(items[0][2], items[0][2].shape[0] // M, training=True)
-            plans, owners, prior = [], dict(self.owners), self._last_arch
-            for arch in archs:
-                plan = self.planner.plan_with(arch, owners, prior)
-                owners.update(stages_of(plan.active, plan.partition.bounds))
-                plans.append(plan)
-                prior = arch
-            used = set().union(*(u for p in plans for u in p.work.uses))
-            schedule = validate(cross_subnet(
-                [p.work for p in plans], M, self.settings.window, frozen=self.shared.frozen & used,
-                delayed=self.shared.delayed & used, delay=self.settings.shared_delay,
-                origin={op: self.owners[op] for op in used}, state_time=self.planner.move_seconds()))
-            self._agree(steps[0], schedule)
+            ahead, self._ahead = self._ahead, None
+            ready = ahead.result() if ahead is not None else None  # re-raises its error
+            key = (tuple(archs), dict(self.owners), self._last_arch)
+            prep = ready if ready is not None and ready.key == key else self._prepare(archs, self.owners, self._last_arch)
+            self.stats.planned_ahead = prep is ready
+            self._agree(steps[0], prep.schedule)
+            if upcoming:  # the next segment, prepared while this one runs
+                self._ahead = self._segment_pool.submit(self._prepare, list(upcoming), prep.owners, archs[-1])
+        plans, schedule = prep.plans, prep.schedule
         self.stats.plan_s = time.perf_counter() - t0
         self.failures.schedule = schedule
         dev = self.device
@@ -290,8 +324,7 @@ class PipelineEngine:
                       tuple(split_batch(x.to(dev), y.to(dev), M) for _, _, x, y in items),
                       tuple(int(it[2].shape[0]) for it in items), tuple(self.lr(s) for s in steps))
         values, run = self.cross.run(seg)
-        for op, users in schedule.rule.users.items():  # where each op is now (every rank alike)
-            self.owners[op] = users[-1][1]
+        self.owners.update(prep.owners)  # where each op with state is now (every rank alike)
         self._last_arch = archs[-1]
         wall = time.perf_counter() - t0
         moves = [0] * len(steps)
@@ -303,6 +336,12 @@ class PipelineEngine:
         st.overlapped += overlapped(schedule.actions[self.rank])
         return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t])
                 for t, (step, arch, v) in enumerate(zip(steps, archs, values))]
+
+    def _drop_ahead(self) -> None:
+        """Wait for (and drop) a segment being prepared: the planner is about to be used here."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.result()
 
     def _agree(self, step: int, schedule: Schedule) -> None:
         """Every rank built the same schedule (it decides every message): one gather of its digest."""
@@ -319,6 +358,7 @@ class PipelineEngine:
     @torch.no_grad()
     def evaluate(self, arch: Arch, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                  calib_batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> EvalResult:
+        self._drop_ahead()
         batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         calib = [(x.to(self.device), y) for x, y in calib_batches] if graph_has_batchnorm(self.graph) else []
         if not batches:
@@ -365,6 +405,7 @@ class PipelineEngine:
         """Orderly teardown: after a clean run all ranks meet at a barrier before the process
         group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
         ok = not self.failures.failed
+        self._segment_pool.shutdown(wait=ok, cancel_futures=True)
         self.planner.close(wait=ok)
         if ok:
             self.agreement.read()

@@ -280,7 +280,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
             for k in range(step, stop):
                 x, y = data.train_batch(k, t.batch_size)
                 items.append((k, sampler.next(), x, y))
-            upcoming = sampler.peek(min(PLAN_AHEAD, t.steps - stop))  # planned while these steps run
+            upcoming = sampler.peek(min(max(PLAN_AHEAD, segment), t.steps - stop))  # planned while these run
             for (k, arch, _, _), res in zip(items, engine.train_steps(items, upcoming)):
                 _record(k, arch, res)
             step = stop

@@ -101,35 +101,49 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
         cut = min(w.action.stage, a.stage)
         return e + work[a.subnet].send[cut]
 
+    settled: dict[Action, float] = {}  # ready times whose waits have all been placed (final)
+
     def ready(a: Action) -> float | None:
+        got = settled.get(a)
+        if got is not None:
+            return got
         t = 0.0
         for w in rule.waits(a):
             r = arrival(w, a)
             if r is None:
                 return None
             t = max(t, r)
+        settled[a] = t
         return t
+
+    F = [[[Action(s, "F", m, t) for m in range(M)] for t in range(T)] for s in range(P)]  # made once
+    B = [[[Action(s, "B", m, t) for m in range(M)] for t in range(T)] for s in range(P)]
+    U = [[Action(s, "U", 0, t) for t in range(T)] for s in range(P)]
 
     def candidates(s: int):
         for t in range(lo, min(T, lo + window)):
             if nf[s][t] < M and live[s] < cap[s]:
-                yield Action(s, "F", nf[s][t], t)
+                yield F[s][t][nf[s][t]]
             if nb[s][t] < nf[s][t]:
-                yield Action(s, "B", nb[s][t], t)
+                yield B[s][t][nb[s][t]]
             if nb[s][t] == M and not updated[s][t]:
-                yield Action(s, "U", 0, t)
+                yield U[s][t]
 
+    def propose(s: int) -> tuple[float, int, Action] | None:
+        """Stage ``s``'s next action: when it can start, and which (the highest priority ready then)."""
+        cands = [(a, r) for a in candidates(s) if (r := ready(a)) is not None]
+        if not cands:
+            return None
+        start = max(free[s], min(r for _, r in cands))
+        a = min((a for a, r in cands if r <= start), key=lambda a: (_PRIORITY[a.kind], a.subnet, a.microbatch))
+        return start, s, a
+
+    # a stage's proposal changes only when it runs something, when a message for it is sent,
+    # or when the window moves: recomputed then, not at every placement
+    proposals: list[tuple[float, int, Action] | None] = [propose(s) for s in range(P)]
     remaining = T * P * (2 * M + 1)
     while remaining:
-        best: tuple[float, int, Action] | None = None
-        for s in range(P):
-            cands = [(a, r) for a in candidates(s) if (r := ready(a)) is not None]
-            if not cands:
-                continue
-            start = max(free[s], min(r for _, r in cands))
-            a = min((a for a, r in cands if r <= start), key=lambda a: (_PRIORITY[a.kind], a.subnet, a.microbatch))
-            if best is None or start < best[0]:
-                best = (start, s, a)
+        best = min((p for p in proposals if p is not None), default=None)
         if best is None:  # the rule's waits all point at earlier subnets: cannot happen
             raise ScheduleError(f"cross_subnet: no stage can progress with {remaining} actions left (window {window})")
         start, s, a = best
@@ -137,6 +151,7 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
         end[a] = free[s] = start + {"F": w.fwd, "B": w.bwd, "U": w.update}[a.kind][s]
         rows[s].append(a)
         remaining -= 1
+        stale = {s} | {dst for dst, _ in rule.sends(a)}
         if a.kind == "F":
             nf[s][a.subnet] += 1
             live[s] += 1
@@ -146,8 +161,12 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
         else:
             updated[s][a.subnet] = True
             done_stages[a.subnet] += 1
-            while lo < T and done_stages[lo] == P:
-                lo += 1
+            if lo < T and done_stages[lo] == P:
+                while lo < T and done_stages[lo] == P:
+                    lo += 1
+                stale = set(range(P))
+        for k in stale:
+            proposals[k] = propose(k)
     return Schedule(name, P, M, tuple(tuple(r) for r in rows), num_subnets=T, uses=uses,
                     frozen=frozenset(frozen), delayed=frozenset(delayed), delay=delay,
                     origin=tuple(sorted(origin.items())) if origin is not None else None)
