@@ -172,7 +172,7 @@ class CrossExecutor:
             step, plan = seg.steps[t], seg.plans[t]
             shown = Action(a.stage, a.kind, a.microbatch)  # the step names the subnet
             cat = {"F": "forward", "B": "backward", "U": "optimizer"}[a.kind]
-            with self.failures.failing(step, shown), self.tracer.span(step, str(shown), cat):
+            with self.failures.failing(step, shown, mark=a), self.tracer.span(step, str(shown), cat):
                 inputs = None
                 for w in rule.waits(a):
                     if w.message is None or (w.action is not None and w.action.stage == me):

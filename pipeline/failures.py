@@ -46,17 +46,19 @@ class FailureReporter:
         self._started = time.time()  # notes older than this belong to an earlier attempt
 
     @contextmanager
-    def failing(self, step: int, action: Action | str) -> Iterator[None]:
-        """Turn any exception in the block into a :class:`StageFailure` for (step, action)."""
+    def failing(self, step: int, action: Action | str, mark: Action | None = None) -> Iterator[None]:
+        """Turn any exception in the block into a :class:`StageFailure` for (step, action).
+        ``mark``: the action as the schedule lists it, when ``action`` is shown otherwise (a
+        cross-subnet schedule's ``1F0@5`` is step ``step``'s ``1F0``)."""
         try:
             self._maybe_fault(step, action)
             yield
         except StageFailure:
             raise
         except Exception as e:
-            raise self._failure(step, action, e) from e
+            raise self._failure(step, action, e, mark) from e
 
-    def _failure(self, step: int, action: Action | str, e: Exception) -> StageFailure:
+    def _failure(self, step: int, action: Action | str, e: Exception, mark: Action | None = None) -> StageFailure:
         self.failed = True
         where = f"rank {self.rank} (stage {self.rank}) failed at step {step} during {action}"
         cause = f"{type(e).__name__}: {e}"
@@ -67,7 +69,8 @@ class FailureReporter:
         elif self.failure_dir is not None:
             atomic_write_text(self.failure_dir / f"rank{self.rank}.json",
                               json.dumps({"rank": self.rank, "step": step, "action": str(action), "error": cause}))
-        grid = format_grid(self.schedule, mark=action) if isinstance(action, Action) else ""
+        mark = mark if mark is not None else action
+        grid = format_grid(self.schedule, mark=mark, around=12) if isinstance(mark, Action) else ""
         msg = f"{where}: {cause}" + (f"\nschedule ({self.schedule.name}), failing action marked:\n{grid}" if grid else "")
         log.error("%s: %s", where, cause)
         return StageFailure(msg, self.rank, step, str(action))

@@ -45,10 +45,11 @@ class StageExecutor:
         self.failures, self.tracer, self.device, self.seed = failures, tracer, device, seed
         self.last = schedule.num_stages - 1
         self.actions = schedule.actions[rank]
-        # which actions read a message: a forward on every stage but the first, a backward on
-        # every stage but the last
-        self._needs = [i for i, a in enumerate(self.actions)
-                       if (a.kind == "F" and rank > 0) or (a.kind == "B" and rank < self.last)]
+        # which actions read a message, and from which stage: the schedule's wait rule says
+        rule = schedule.rule
+        self._from = {i: w.action.stage for i, a in enumerate(self.actions) for w in rule.waits(a)
+                      if w.message in ("activation", "gradient")}
+        self._needs = sorted(self._from)
 
     def run(self, step: int, sl: Slice, wires: WireSpecs | None, mbs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             batch: int, module: Callable[[str], nn.Module],
@@ -80,8 +81,8 @@ class StageExecutor:
         def source(j: int) -> tuple[int, tuple]:
             """Where action ``j``'s message comes from, and what it carries."""
             if self.actions[j].kind == "F":
-                return rank - 1, wires.forward[rank] if wires is not None else ()
-            return rank + 1, wires.backward[rank] if wires is not None else ()
+                return self._from[j], wires.forward[rank] if wires is not None else ()
+            return self._from[j], wires.backward[rank] if wires is not None else ()
 
         def post(j: int) -> None:
             posted_now(j, tr.post_recv(*source(j)))

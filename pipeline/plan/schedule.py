@@ -406,20 +406,30 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
 # -------------------------------------------------------------------------------- validation
 
 
-def format_grid(schedule: Schedule, mark: Action | Iterable[Action] | None = None) -> str:
-    """The rank-by-step grid of ``schedule``, with the actions in ``mark`` shown as ``[1F0]``."""
+def format_grid(schedule: Schedule, mark: Action | Iterable[Action] | None = None, around: int | None = None) -> str:
+    """The rank-by-step grid of ``schedule``, with the actions in ``mark`` shown as ``[1F0]``;
+    with ``around``, only the columns within that many of the first marked action's (a long
+    cross-subnet schedule would print hundreds)."""
     marked = {mark} if isinstance(mark, Action) else set(mark or ())
     rows = schedule.actions
     width = max((len(str(a)) for row in rows for a in row), default=1) + 2
     label = len(f"stage {schedule.num_stages - 1}")
     steps = max((len(row) for row in rows), default=0)
+    cols = range(steps)
+    if around is not None:
+        at = next((k for row in rows for k, a in enumerate(row) if a in marked), None)
+        if at is not None:
+            cols = range(max(0, at - around), min(steps, at + around + 1))
 
-    def cell(a: Action) -> str:
+    def cell(row: tuple[Action, ...], k: int) -> str:
+        if k >= len(row):
+            return ""
+        a = row[k]
         return (f"[{a}]" if a in marked else f" {a} ").ljust(width)
 
-    lines = ["step".ljust(label) + " | " + " ".join(f" {k}".ljust(width) for k in range(steps))]
+    lines = ["step".ljust(label) + " | " + " ".join(f" {k}".ljust(width) for k in cols)]
     for s, row in enumerate(rows):
-        lines.append(f"stage {s}".ljust(label) + " | " + " ".join(cell(a) for a in row))
+        lines.append(f"stage {s}".ljust(label) + " | " + " ".join(cell(row, k) for k in cols))
     return "\n".join(line.rstrip() for line in lines)
 
 
