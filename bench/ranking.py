@@ -158,13 +158,14 @@ def stratified_archs(n: int, seed: int = 0, pool: int = 3000) -> list[dict[str, 
 
 # -- runs of the app ---------------------------------------------------------------------
 
-def _config(seed: int, train: Mapping[str, Any], sampler: Mapping[str, Any], search: Mapping[str, Any]) -> dict:
+def _config(seed: int, train: Mapping[str, Any], sampler: Mapping[str, Any], search: Mapping[str, Any],
+            pipeline: Mapping[str, Any] | None = None) -> dict:
     return {"seed": seed, "device": "cpu", "threads": 1, "output_dir": None, "resume": True,
             "space": dict(SPACE), "data": {"_target_": "search.data.Digits", "seed": seed, "val_fraction": 0.2,
                                            "split_seed": 0},
             "sampler": dict(sampler), "train": dict(train),
             "search": {"algorithm": "random", "top_k": 5, "constraints": {}, "seed_archs": [], **SEARCH, **search},
-            "pipeline": {}}
+            "pipeline": dict(pipeline or {})}
 
 
 def standalone(arch: Mapping[str, str], seed: int) -> dict[str, Any]:
@@ -219,20 +220,23 @@ class Truth:
 
 
 def supernet_scores(sampler: str, steps: int, archs: list[dict[str, str]], search_seeds: int,
-                    out: Path) -> dict[str, Any]:
-    """Train one supernet with ``sampler``; score ``archs`` with inherited weights; run
-    evolution and random search ``search_seeds`` times each (resuming the trained supernet)."""
+                    out: Path, pipeline: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+    """Train one supernet with ``sampler`` (``pipeline``: how shared ops are read, one process
+    runs the same semantics as the pipeline; ``seed``: the supernet's seed); score ``archs``
+    with inherited weights; run evolution and random search ``search_seeds`` times each
+    (resuming the trained supernet)."""
     from search.app import run
 
     train = {**SUPERNET, "steps": steps}
     t0 = time.perf_counter()
-    first = run(_config(0, train, {"name": sampler},
-                        {"population": len(archs), "generations": 1, "top_k": len(archs), "seed_archs": archs}),
-                output_dir=out)
+    first = run(_config(seed, train, {"name": sampler},
+                        {"population": len(archs), "generations": 1, "top_k": len(archs), "seed_archs": archs},
+                        pipeline), output_dir=out)
     acc = {json.dumps(e["arch"], sort_keys=True): e["val_accuracy"] for e in first["top_k"]}
     picks: dict[str, list[dict[str, Any]]] = {"evolution": [], "random": []}
     for s, algorithm in itertools.product(range(search_seeds), ("evolution", "random")):
-        summary = run(_config(0, train, {"name": sampler}, {"algorithm": algorithm, "seed": s}), output_dir=out)
+        summary = run(_config(seed, train, {"name": sampler}, {"algorithm": algorithm, "seed": s}, pipeline),
+                      output_dir=out)
         assert summary["resumed_from_step"] == steps  # only searched, on the same supernet
         picks[algorithm].append({"arch": summary["best"]["arch"], "supernet_accuracy": summary["best"]["val_accuracy"],
                                  "evaluated": summary["search"]["evaluated"]})
@@ -277,6 +281,10 @@ def main() -> None:
     ap.add_argument("--archs", type=int, default=ARCHS)
     ap.add_argument("--samplers", nargs="+", default=["uniform", "fair"])
     ap.add_argument("--figure", type=Path, default=OUT / "ranking.png")
+    ap.add_argument("--shared-ops", nargs="+", default=["exact"], choices=("exact", "delayed", "frozen"),
+                    help="how ops in every subnet are trained (issue 15: delayed reads vs exact); one row each")
+    ap.add_argument("--shared-delay", type=int, default=1)
+    ap.add_argument("--supernet-seeds", type=int, default=1, help="supernets per setting: tau's noise")
     args = ap.parse_args()
 
     import logging
@@ -299,11 +307,14 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pipenas-ranking-supernet-") as tmp:
-        for sampler in args.samplers:
-            progress(f"ranking: supernet with the {sampler} sampler, {args.supernet_steps} steps, "
+        for sampler, mode, seed in itertools.product(args.samplers, args.shared_ops, range(args.supernet_seeds)):
+            pipe = {"shared_ops": mode, "shared_delay": args.shared_delay}
+            label = sampler if (len(args.shared_ops), args.supernet_seeds) == (1, 1) else f"{sampler}/{mode}/seed{seed}"
+            progress(f"ranking: supernet {label}, {args.supernet_steps} steps, "
                      f"then {args.search_seeds} evolution and random searches")
-            results[sampler] = supernet_scores(sampler, args.supernet_steps, archs, args.search_seeds,
-                                               Path(tmp) / sampler)
+            results[label] = supernet_scores(sampler, args.supernet_steps, archs, args.search_seeds,
+                                             Path(tmp) / label.replace("/", "-"), pipe, seed)
+            results[label].update(sampler=sampler, shared_ops=mode, supernet_seed=seed)
     for r in results.values():  # every search's pick trained stand-alone (before the best is taken)
         for p in itertools.chain(*r["picks"].values()):
             p["standalone_accuracy"] = truth.mean(p["arch"])
@@ -311,8 +322,11 @@ def main() -> None:
     rows = []
     for sampler, r in results.items():
         regret = {alg: [best - p["standalone_accuracy"] for p in picks] for alg, picks in r["picks"].items()}
+        mean_or_none = (lambda xs: round(statistics.fmean(xs), 4) if xs else None)  # noqa: E731
         row = {
-            "bench": "ranking", "sampler": sampler, "space": SPACE, "archs": len(archs), "seeds": len(SEEDS),
+            "bench": "ranking", "sampler": r["sampler"], "shared_ops": r["shared_ops"],
+            "shared_delay": args.shared_delay if r["shared_ops"] == "delayed" else None,
+            "supernet_seed": r["supernet_seed"], "space": SPACE, "archs": len(archs), "seeds": len(SEEDS),
             "standalone_steps": STANDALONE["steps"], "supernet_steps": args.supernet_steps,
             "kendall_tau": round(kendall_tau(r["accuracy"], sa), 4),
             "spearman_rho": round(spearman_rho(r["accuracy"], sa), 4),
@@ -326,8 +340,8 @@ def main() -> None:
             "seed_spread_median": round(statistics.median(max(truth.of(a)) - min(truth.of(a)) for a in archs), 4),
             "supernet_range": [round(min(r["accuracy"]), 4), round(max(r["accuracy"]), 4)],
             "search_budget": SEARCH["population"] * SEARCH["generations"], "search_runs": args.search_seeds,
-            "evolution_regret_mean": round(statistics.fmean(regret["evolution"]), 4),
-            "random_regret_mean": round(statistics.fmean(regret["random"]), 4),
+            "evolution_regret_mean": mean_or_none(regret["evolution"]),
+            "random_regret_mean": mean_or_none(regret["random"]),
             "evolution_regret": [round(x, 4) for x in regret["evolution"]],
             "random_regret": [round(x, 4) for x in regret["random"]],
             "regret_reference": round(best, 4), "standalone_archs_trained": len(truth.runs),
@@ -336,6 +350,15 @@ def main() -> None:
         }
         r["row"] = row
         rows.append(row)
+    by_setting: dict[tuple, list[float]] = {}
+    for row in rows:
+        by_setting.setdefault((row["sampler"], row["shared_ops"]), []).append(row["kendall_tau"])
+    if args.supernet_seeds > 1 or len(args.shared_ops) > 1:  # tau per setting over supernet seeds: its noise
+        for (sampler, mode), taus in by_setting.items():
+            rows.append({"bench": "ranking", "summary": True, "sampler": sampler, "shared_ops": mode,
+                         "shared_delay": args.shared_delay if mode == "delayed" else None,
+                         "kendall_tau_mean": round(statistics.fmean(taus), 4),
+                         "kendall_tau_seeds": taus, "kendall_tau_range": [min(taus), max(taus)]})
     rows[-1]["wall_s"] = round(time.perf_counter() - t_start, 1)
     rows[-1]["cpu_s"] = round(time.process_time() - cpu_start, 1)
     rows[-1]["loadavg"] = round(os.getloadavg()[0], 2)
