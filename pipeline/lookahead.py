@@ -19,11 +19,12 @@ import torch
 from supernet import Arch, Slice, SupernetGraph, build_op, cut
 
 from .memory_plan import MemoryModel, arena_error, check_fits
-from .plan.admission import SubnetWork
+from .plan.admission import SubnetWork, in_flight_bound
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .plan.partition import Partition, PartitionError
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
+from .plan.schedule import Schedule, build as build_schedule
 from .settings import PipelineSettings
 from .shared import stateful_ops
 from .wire import MetaModules, WireSpecs, wire_specs
@@ -54,13 +55,17 @@ class Plan:
 class LookaheadPlanner:
     def __init__(self, graph: SupernetGraph, seed: int, num_stages: int, microbatches: int,
                  settings: PipelineSettings, costs: CostTable | None, can_move_early: bool, optim_name: str,
-                 memory: MemoryModel | None = None) -> None:
+                 memory: MemoryModel | None = None, schedule: Schedule | None = None) -> None:
         # ``costs``: the table to plan with (every rank the same); None: the analytic model at
         # the first batch's shape, with ``optim_name``'s optimizer state in the memory model.
         # ``memory``: the tensor manager's arenas and the activation policy (None: all resident)
         self.graph, self.seed, self.num_stages, self.microbatches = graph, seed, num_stages, microbatches
         self.memory = memory
         self.optim_name = optim_name
+        # the step's schedule (the partitioner prices a split with it) and, with several subnets
+        # in flight, the activations each stage may hold across them
+        self.schedule = schedule if schedule is not None else build_schedule(settings.schedule, num_stages, microbatches)
+        self.in_flight = (in_flight_bound(num_stages, microbatches, settings.window) if settings.cross else None)
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
         self.planner = None
         self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
@@ -96,7 +101,7 @@ class LookaheadPlanner:
         if s.planner == "static":
             return StaticPlanner.from_problem(mean_problem(
                 self.graph, self.costs, num_stages=self.num_stages, num_microbatches=self.microbatches,
-                schedule=s.schedule, bandwidth=s.link_bandwidth, latency=s.link_latency_s,
+                schedule=self.schedule, in_flight=self.in_flight, bandwidth=s.link_bandwidth, latency=s.link_latency_s,
                 memory_budget=s.budgets(self.num_stages)))  # the arena's bound is checked per plan
         return make_planner(s.planner)
 
@@ -117,9 +122,10 @@ class LookaheadPlanner:
                 if before is not None and self.can_move_early else None)
         mm = self.memory
         arena = mm is not None and mm.arena_bytes is not None
-        problem = subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches, s.schedule,
+        problem = subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches, self.schedule,
                                  s.link_bandwidth, s.link_latency_s,
-                                 mm.budgets() if arena else s.budgets(self.num_stages), mm.managed if arena else None)
+                                 mm.budgets() if arena else s.budgets(self.num_stages), mm.managed if arena else None,
+                                 self.in_flight)
         try:
             part = self.planner.plan(problem, previous, busy)
         except PartitionError as e:

@@ -26,6 +26,7 @@ from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, grap
 from .memory_plan import MemoryModel
 from .memory_settings import MemorySettings
 from .plan.costs import CostTable, analytic_costs, subnet_problem
+from .plan.schedule import one_f_one_b
 from .tensors import OptimConfig, TensorManager
 from .shared import SharedOps, shared_ops_of
 from .trace import Span, Tracer
@@ -56,6 +57,7 @@ class ReferenceEngine:
         self._model = MemoryModel(self.tensors.memory)
         self._costs: CostTable | None = None  # for memory.activations=auto, at the first batch's shape
         self._choices: dict[Arch, Mapping[str, str] | None] = {}
+        self._schedule = one_f_one_b(1, microbatches)  # what one process runs: one micro-batch in flight
         # ops in every subnet: exact, read late or frozen, as the pipelined engine runs them
         self.shared = SharedOps(shared_ops, shared_delay, shared_ops_of(graph), checkpoint_every, self.tensors.module)
 
@@ -132,7 +134,7 @@ class ReferenceEngine:
                 self._costs = analytic_costs(self.graph, tuple(x.shape[1:]), x.shape[0] // self.microbatches,
                                              self.tensors.optim.name)
             problem = subnet_problem(self.graph, self.graph.active_ops(arch), self._costs, 1, self.microbatches,
-                                     "1f1b", 1.0, 0.0)
+                                     self._schedule, 1.0, 0.0)
             if len(self._choices) >= 256:
                 self._choices.clear()
             self._choices[arch] = self._model.activation_choices(problem, (0, problem.num_ops))[0]

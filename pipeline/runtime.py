@@ -141,7 +141,7 @@ class PipelineEngine:
         self.tracer = Tracer(self.rank, trace_steps)
         self.planner = LookaheadPlanner(graph, seed, self.num_stages, microbatches, settings, costs,
                                         can_move_early=early is not None, optim_name=optim.name,
-                                        memory=self._memory_model())
+                                        memory=self._memory_model(), schedule=self.schedule)
         self.migrator = Migrator(self.rank, self.owners, self.tensors, self.transport, early)
         self.stage = StageExecutor(self.rank, self.schedule, self._schedule_transport, self.failures, self.tracer,
                                    self.device, seed)

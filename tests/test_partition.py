@@ -106,7 +106,7 @@ def test_evaluate_is_the_documented_formula(seed: int) -> None:
     previous = random_previous(rng, problem)
     bounds = sorted_bounds(rng, N, P)
     part = evaluate(problem, bounds, previous)
-    flight = in_flight(problem.schedule, P, problem.num_microbatches)
+    flight = in_flight(problem.schedule.name, P, problem.num_microbatches)
 
     def comm(c: int) -> float:
         return 2 * (problem.latency + problem.cut_bytes[c] / problem.bandwidth)
@@ -259,7 +259,7 @@ def test_managed_memory_formula(seed: int) -> None:
 
     rng = np.random.default_rng(seed)
     base = small_problem(rng, int(rng.integers(1, 7)), int(rng.integers(1, 4)), integral=False)
-    P, F = base.num_stages, in_flight(base.schedule, base.num_stages, base.num_microbatches)
+    P, F = base.num_stages, in_flight(base.schedule.name, base.num_stages, base.num_microbatches)
     bounds = (0, *sorted(int(b) for b in rng.integers(0, base.num_ops + 1, size=P - 1)), base.num_ops)
     reserve = float(rng.integers(0, 10))
     default = evaluate(base, bounds)
@@ -306,7 +306,7 @@ def test_managed_split_has_activation_plans_that_fit(seed: int) -> None:
         assert state + plan.memory + (1 << 20) <= tight
         assert plan.choices == () or activation_memory(
             ops, [0] + [problem.cut_bytes[k] for k in range(part.bounds[s] + 1, part.bounds[s + 1])],
-            plan.choices, in_flight(problem.schedule, problem.num_stages, problem.num_microbatches)[s],
+            plan.choices, in_flight(problem.schedule.name, problem.num_stages, problem.num_microbatches)[s],
             problem.cut_bytes[part.bounds[s]]) == plan.memory
 
 

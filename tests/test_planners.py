@@ -73,14 +73,14 @@ def _move_seconds(problem, part, previous):
 def test_step_objective_is_never_worse_than_the_eps_tie_break(replayed: bool) -> None:
     """Scored by its own measure (the 1F1B/GPipe formula, or the schedule replayed), the choice
     beats every eps of the grid (and so staying put where that is within the grid)."""
-    from pipeline.plan.planners import STEP_GRID, _schedule, predicted_step, solve_step
+    from pipeline.plan.planners import STEP_GRID, predicted_step, solve_step
 
     rng = np.random.default_rng(11 if replayed else 7)
     checked = 0
     for _ in range(150):
         p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
         prev = {op.op_id: int(rng.integers(0, p.num_stages)) for op in p.ops}
-        sched = _schedule(p.schedule, p.num_stages, p.num_microbatches) if replayed else None
+        sched = p.schedule if replayed else None
         try:
             best = solve_step(p, prev, schedule=sched)
         except PartitionError:
@@ -156,13 +156,13 @@ def _wait_of(problem, part, previous, busy, schedule):
 
 
 def test_step_objective_with_every_op_busy_is_the_step_objective_without_busy() -> None:
-    from pipeline.plan.planners import _schedule, solve_step
+    from pipeline.plan.planners import solve_step
 
     rng = np.random.default_rng(21)
     for _ in range(80):
         p = random_problem(rng, int(rng.integers(1, 9)), int(rng.integers(1, 5)))
         prev = {op.op_id: int(rng.integers(0, p.num_stages)) for op in p.ops}
-        sched = _schedule(p.schedule, p.num_stages, p.num_microbatches)
+        sched = p.schedule
         everything = frozenset(op.op_id for op in p.ops)
         try:
             expected = solve_step(p, prev, schedule=sched)
@@ -175,7 +175,6 @@ def test_step_objective_with_busy_ops_beats_staying_put_and_is_within_eps() -> N
     """Brute force over every split: the choice fits memory, stays within (1 + eps) of the optimum
     and, by the replayed schedule plus the migration the step waits for, is never worse than any
     split that moves nothing."""
-    from pipeline.plan.planners import _schedule
 
     rng = np.random.default_rng(5)
     checked = 0
@@ -184,7 +183,7 @@ def test_step_objective_with_busy_ops_beats_staying_put_and_is_within_eps() -> N
         p = random_problem(rng, N, P, bandwidth=float(rng.choice([1e9, 5e9])), latency=1e-4)
         prev = {op.op_id: int(rng.integers(0, P)) for op in p.ops}
         busy = frozenset(op.op_id for op in p.ops if rng.random() < 0.3)
-        sched = _schedule(p.schedule, P, p.num_microbatches)
+        sched = p.schedule
         eps = float(rng.choice([0.0, 0.05, 0.2]))
         try:
             opt = solve(p)
@@ -204,13 +203,14 @@ def test_step_objective_with_busy_ops_beats_staying_put_and_is_within_eps() -> N
 def test_moves_that_can_run_during_the_step_before_are_worth_a_better_balance() -> None:
     """Owners 3:1 on two stages. Moving one op costs more than the balance gains when the step
     waits for it, and nothing when it moves during the step before (it fits in that step)."""
-    from pipeline.plan.planners import _schedule, predicted_step
+    from pipeline.plan.planners import predicted_step
+    from pipeline.plan.schedule import build
 
     def problem(state_bytes: int) -> PartitionProblem:
         ops = tuple(OpCost(f"op{k}", 1e-3, 2e-3, state_bytes, 0, 0) for k in range(4))
         return PartitionProblem(ops, (1000,) * 5, 2, 8, "1f1b", 1e9, 1e-5)
 
-    sched = _schedule("1f1b", 2, 8)
+    sched = build("1f1b", 2, 8)
     prev = {"op0": 0, "op1": 0, "op2": 0, "op3": 1}
     probe = problem(0)
     stay, balanced = evaluate(probe, (0, 3, 4), prev), evaluate(probe, (0, 2, 4), prev)

@@ -1,8 +1,8 @@
 """Activation plans: per active op of a stage, keep its saved activations, swap them, or recompute them.
 
 The schedule fixes how many micro-batches a stage holds between a forward and its backward
-(``F = in_flight``: ``min(M, P - s)`` under 1F1B, ``M`` under GPipe; see
-:func:`pipeline.plan.schedule.in_flight`), so early stages need the most help (BPipe's
+(``F = in_flight``: ``min(M, P - s)`` under 1F1B, ``M`` under GPipe; the problem's
+``in_flight``, read from its schedule object), so early stages need the most help (BPipe's
 observation). Per op, with ``a`` its kept bytes and ``x`` its input's bytes per micro-batch:
 
 ======================  ==========================  ============================================
@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .partition import OpCost, Partition, PartitionError, PartitionProblem
-from .schedule import in_flight
 
 __all__ = ["CHOICES", "ActivationError", "ActivationPlan", "plan_activations", "activation_memory",
            "min_activation_memory", "stage_activation_plan", "op_memory", "partition_activation_plans"]
@@ -296,7 +295,7 @@ def stage_activation_plan(problem: PartitionProblem, bounds: Sequence[int], stag
     input of a chain's op), the stage input ``cut_bytes[bounds[s]]`` and ``in_flight`` from the
     problem's schedule."""
     i, j = bounds[stage], bounds[stage + 1]
-    F = in_flight(problem.schedule, problem.num_stages, problem.num_microbatches)[stage]
+    F = problem.in_flight[stage]
     ops = problem.ops[i:j]
     inputs = [0] + [problem.cut_bytes[k] for k in range(i + 1, j)]
     return plan_activations(ops, inputs[:len(ops)], F, problem.num_microbatches, budget, host_bandwidth, overlap,

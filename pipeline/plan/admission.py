@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .schedule import Action, Schedule, ScheduleError, Wait, WaitRule
 
-__all__ = ["SubnetWork", "cross_subnet", "flushed"]
+__all__ = ["SubnetWork", "cross_subnet", "flushed", "in_flight_bound"]
 
 _PRIORITY = {"U": 0, "B": 1, "F": 2}
 
@@ -170,6 +170,13 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
     return Schedule(name, P, M, tuple(tuple(r) for r in rows), num_subnets=T, uses=uses,
                     frozen=frozenset(frozen), delayed=frozenset(delayed), delay=delay,
                     origin=tuple(sorted(origin.items())) if origin is not None else None)
+
+
+def in_flight_bound(num_stages: int, num_microbatches: int, window: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations a cross-subnet schedule holds: the
+    builder's cap ``P - s``, and no more than ``window`` subnets' ``M`` each (what the
+    partitioner's and the activation plan's memory model count)."""
+    return tuple(min(num_stages - s, window * num_microbatches) for s in range(num_stages))
 
 
 def flushed(work: Sequence[SubnetWork], num_microbatches: int, **kw) -> Schedule:

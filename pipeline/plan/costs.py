@@ -21,6 +21,7 @@ from supernet import INPUT, ActiveOp, OpContext, SupernetError, SupernetGraph, b
 from supernet.execute import live_across
 
 from .partition import ManagedMemory, OpCost, PartitionProblem
+from .schedule import Schedule
 
 __all__ = ["CostTable", "analytic_costs", "mean_problem", "optim_bytes", "subnet_problem"]
 
@@ -112,11 +113,12 @@ def subnet_problem(
     table: CostTable,
     num_stages: int,
     num_microbatches: int,
-    schedule: str,
+    schedule: Schedule | str,
     bandwidth: float,
     latency: float,
     memory_budget: tuple[float, ...] | None = None,
     memory: ManagedMemory | None = None,
+    in_flight: tuple[int, ...] | None = None,
 ) -> PartitionProblem:
     """The partition problem of one subnet: its ops' costs in order and the bytes live across
     every possible cut (the same live sets :func:`supernet.execute.cut` sends). ``memory``: the
@@ -133,6 +135,7 @@ def subnet_problem(
         latency=latency,
         memory_budget=memory_budget,
         memory=memory,
+        in_flight=in_flight,
     )
 
 

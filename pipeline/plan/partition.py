@@ -10,8 +10,10 @@ costs, per micro-batch (see :func:`stage_cost`, the one place this formula lives
     memory(s) = sum(param + optim bytes of ops i..j-1)
               + in_flight(s) * (sum(act_bytes of ops i..j-1) + cut_bytes[i])
 
-``in_flight`` is :func:`pipeline.plan.schedule.in_flight` (``min(M, P - s)`` for 1F1B, ``M`` for
-GPipe); ``cut_bytes[i]`` is the stage's received input, kept for every micro-batch in flight.
+``in_flight`` is ``PartitionProblem.in_flight``: what the problem's schedule object holds at its
+peak (``min(M, P - s)`` for 1F1B, ``M`` for GPipe), or a bound given with it (cross-subnet
+schedules, :func:`pipeline.plan.admission.in_flight_bound`); ``cut_bytes[i]`` is the stage's
+received input, kept for every micro-batch in flight.
 
 With the virtualized tensor manager (``PartitionProblem.memory``, a :class:`ManagedMemory`) the
 device holds only what the manager keeps resident, so memory(s) counts the stage's active ops'
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .schedule import SCHEDULES, in_flight
+from .schedule import SCHEDULES, Schedule, build as build_schedule, max_in_flight
 
 __all__ = [
     "OpCost", "ManagedMemory", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
@@ -160,6 +162,9 @@ class PartitionProblem:
 
     ``cut_bytes[i]`` is the per-micro-batch size of everything live across a boundary just
     before op ``i`` (``N + 1`` values). ``memory_budget`` is per stage, or None for unlimited.
+    ``schedule``: the step's :class:`~pipeline.plan.schedule.Schedule` (a builder's name is
+    built into one here, for callers that have none); ``in_flight``: per stage, the most
+    micro-batches whose activations are held (default: the schedule's peak).
     ``memory``: the tensor manager's memory model (None: every op's state and every activation
     counts, as without a manager).
     """
@@ -168,11 +173,12 @@ class PartitionProblem:
     cut_bytes: tuple[int, ...]
     num_stages: int
     num_microbatches: int
-    schedule: str = "1f1b"
+    schedule: Schedule | str = "1f1b"
     bandwidth: float = math.inf
     latency: float = 0.0
     memory_budget: tuple[float, ...] | None = None
     memory: ManagedMemory | None = None
+    in_flight: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         ops = tuple(self.ops)
@@ -193,9 +199,19 @@ class PartitionProblem:
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise PartitionError(f"PartitionProblem.{name}: expected a positive int, found {v!r}")
-        if self.schedule not in SCHEDULES:
-            raise PartitionError(f"PartitionProblem.schedule: expected one of {sorted(SCHEDULES)}, "
-                                 f"found {self.schedule!r}")
+        if isinstance(self.schedule, str):
+            if self.schedule not in SCHEDULES:
+                raise PartitionError(f"PartitionProblem.schedule: expected a Schedule or one of {sorted(SCHEDULES)}, "
+                                     f"found {self.schedule!r}")
+            object.__setattr__(self, "schedule", build_schedule(self.schedule, self.num_stages, self.num_microbatches))
+        if not isinstance(self.schedule, Schedule) or (self.schedule.num_stages, self.schedule.num_microbatches) != (
+                self.num_stages, self.num_microbatches):
+            raise PartitionError(f"PartitionProblem.schedule: expected a Schedule of {self.num_stages} stages and "
+                                 f"{self.num_microbatches} micro-batches, found {self.schedule!r:.120}")
+        flight = max_in_flight(self.schedule) if self.in_flight is None else tuple(int(f) for f in self.in_flight)
+        if len(flight) != self.num_stages or any(f < 0 for f in flight):
+            raise PartitionError(f"PartitionProblem.in_flight: expected {self.num_stages} counts >= 0, found {flight!r}")
+        object.__setattr__(self, "in_flight", flight)
         if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
             raise PartitionError(f"PartitionProblem.bandwidth: expected a positive number of bytes/s "
                                  f"(math.inf for free transfers), found {self.bandwidth!r}")
@@ -287,7 +303,7 @@ def _tables(problem: PartitionProblem, previous: Mapping[str, int] | None,
     def prefix(a: np.ndarray) -> np.ndarray:
         return np.concatenate((np.zeros((P, 1), dtype=np.int64), np.cumsum(a, axis=1)), axis=1)
 
-    flight = np.array(in_flight(problem.schedule, P, problem.num_microbatches), dtype=np.int64)
+    flight = np.array(problem.in_flight, dtype=np.int64)
     managed: dict = {}
     mm = problem.memory
     if mm is not None:
@@ -418,7 +434,7 @@ def _infeasible(problem: PartitionProblem, t: _Tables, memory: list[np.ndarray],
         f"{bounds}, needs {need / _MIB:.2f} MiB on stage {s} against memory_budget[{s}] = "
         f"{budget / _MIB:.2f} MiB: short by {short / _MIB:.2f} MiB ({short:.0f} bytes). Hint: raise "
         f"memory_budget[{s}], use more stages, or hold fewer micro-batches in flight "
-        f"(schedule '1f1b' or a smaller num_microbatches; this problem uses {problem.schedule!r}, "
+        f"(schedule '1f1b' or a smaller num_microbatches; this problem uses {problem.schedule.name!r}, "
         f"M={problem.num_microbatches}){_manager_hint(problem.memory)}.", short_by=short, stage=s, closest=part)
 
 

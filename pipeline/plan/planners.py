@@ -16,7 +16,6 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -25,7 +24,7 @@ from .partition import (
     REL_SLACK, Partition, PartitionError, PartitionProblem, _fewest_moves_many, _grids, _infeasible,
     _make_partition, _minmax_dp, _tables, evaluate, random_problem, solve,
 )
-from .schedule import Schedule, build as build_schedule
+from .schedule import Schedule
 from .simulate import makespan
 
 __all__ = [
@@ -167,7 +166,7 @@ class DynamicPlanner:
         if self.objective == "step":
             grid = tuple(e for e in STEP_GRID if e < self.eps) + (self.eps,)
             return solve_step(problem, previous, move_latency=self.move_latency, grid=grid, busy=busy,
-                              schedule=_schedule(problem.schedule, problem.num_stages, problem.num_microbatches))
+                              schedule=problem.schedule)
         return solve(problem, previous, self.eps)
 
 
@@ -241,11 +240,6 @@ class StaticPlanner:
     def plan(self, problem: PartitionProblem, previous: Mapping[str, int] | None = None,
              busy: AbstractSet[str] | None = None) -> Partition:
         return evaluate(problem, self.bounds_for(problem), previous)
-
-
-@lru_cache(maxsize=32)
-def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    return build_schedule(name, num_stages, num_microbatches)
 
 
 _PLANNERS = {"dynamic": DynamicPlanner, "equal": EqualCountPlanner, "static": StaticPlanner,
