@@ -97,6 +97,10 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
                     dict(origin) if origin is not None else None, updates=True)
     # the simulator's clock: an estimate here is exactly what simulate() replays of the result
     clock = Clock.per_subnet(rule, work, state_time)
+    ids = [[[clock.id(Action(s, k, m, t)) for k in "FB" for m in range(M)] + [clock.id(Action(s, "U", 0, t))]
+            for t in range(T)] for s in range(P)]  # per stage and subnet: F0..F(M-1), B0..B(M-1), U
+    acts = clock.net.actions
+    order = {i: (_PRIORITY[acts[i].kind], acts[i].subnet, acts[i].microbatch) for i in range(len(acts))}.__getitem__
     rows: list[list[Action]] = [[] for _ in range(P)]
     nf = [[0] * T for _ in range(P)]  # the next forward's micro-batch, per stage and subnet
     nb = [[0] * T for _ in range(P)]
@@ -119,41 +123,51 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
                                if w.action is not None and w.action.subnet != t)
         return gates[key]
 
+    deepest: dict[int, int] = {}  # per subnet, the last stage its forward waits at (this round)
+
     def blocked(t: int, s: int) -> bool:
         """Whether subnet ``t``'s forward still waits past stage ``s`` for an earlier subnet."""
-        return any(nf[s2][t] == 0 and any(clock.end[j] is None for j in gate(t, s2)) for s2 in range(s + 1, P))
+        d = deepest.get(t)
+        if d is None:
+            d = deepest[t] = max((s2 for s2 in range(P) if nf[s2][t] == 0
+                                  and any(clock.end[j] is None for j in gate(t, s2))), default=-1)
+        return d > s
 
-    def slot_free(s: int, t: int) -> bool:
-        if live[s] + 1 < cap[s]:
-            return True
-        if live[s] >= cap[s]:
-            return False
-        return not blocked(t, s) or any(nf[s][u] > nb[s][u] and not blocked(u, s) for u in range(lo, min(T, lo + window)))
-
-    def candidates(s: int):
+    def candidates(s: int) -> list[int]:
+        out = []
+        last_slot, clear = live[s] + 1 == cap[s], None
         for t in range(lo, min(T, lo + window)):
-            if nf[s][t] < M and slot_free(s, t):
-                yield Action(s, "F", nf[s][t], t)
-            if nb[s][t] < nf[s][t]:
-                yield Action(s, "B", nb[s][t], t)
-            if nb[s][t] == M and not updated[s][t]:
-                yield Action(s, "U", 0, t)
+            f, b = nf[s][t], nb[s][t]
+            if f < M and live[s] < cap[s]:
+                if last_slot and blocked(t, s):
+                    if clear is None:
+                        clear = any(nf[s][u] > nb[s][u] and not blocked(u, s) for u in range(lo, min(T, lo + window)))
+                    if clear:
+                        out.append(ids[s][t][f])
+                else:
+                    out.append(ids[s][t][f])
+            if b < f:
+                out.append(ids[s][t][M + b])
+            elif b == M and not updated[s][t]:
+                out.append(ids[s][t][2 * M])
+        return out
 
     remaining = T * P * (2 * M + 1)
     while remaining:
-        best: tuple[float, int, Action] | None = None
+        best: tuple[float, int, int] | None = None
+        deepest.clear()
         for s in range(P):
-            cands = [(a, r) for a in candidates(s) if (r := clock.ready(clock.id(a))) is not None]
+            cands = [(i, r) for i in candidates(s) if (r := clock.ready(i)) is not None]
             if not cands:
                 continue
             start = max(clock.free[s], min(r for _, r in cands))
-            a = min((a for a, r in cands if r <= start), key=lambda a: (_PRIORITY[a.kind], a.subnet, a.microbatch))
             if best is None or start < best[0]:
-                best = (start, s, a)
+                best = (start, s, min((i for i, r in cands if r <= start), key=order))
         if best is None:  # the rule's waits all point at earlier subnets: cannot happen
             raise ScheduleError(f"cross_subnet: no stage can progress with {remaining} actions left (window {window})")
-        _, s, a = best
-        clock.run((clock.id(a),))  # starts at max(free, ready): the start chosen above
+        _, s, i = best
+        clock.run((i,))  # starts at max(free, ready): the start chosen above
+        a = acts[i]
         rows[s].append(a)
         remaining -= 1
         if a.kind == "F":
