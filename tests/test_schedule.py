@@ -32,6 +32,36 @@ def test_action_round_trip(text: str) -> None:
     assert Action.parse(str(a)) == a
 
 
+@pytest.mark.parametrize("text", ["1F0@3", "0B2@1", "1U@2", "0U", "12U@40", "3F11@7"])
+def test_subnet_action_round_trip(text: str) -> None:
+    a = Action.parse(text)
+    assert str(a) == text
+    assert Action.parse(str(a)) == a
+
+
+def test_subnet_action_fields() -> None:
+    assert Action.parse("1F0@3") == Action(1, "F", 0, 3)
+    assert Action.parse("1U@2") == Action(1, "U", 0, 2)
+    assert Action.parse("0U") == Action(0, "U", 0, 0)
+    assert Action.parse("2B1@0") == Action(2, "B", 1)  # subnet 0 prints without its suffix
+    assert str(Action(2, "B", 1, 0)) == "2B1"
+    for a in (Action(s, k, 0 if k == "U" else m, t) for s in range(3) for k in "FBU" for m in range(3) for t in range(3)):
+        assert Action.parse(str(a)) == a
+
+
+@pytest.mark.parametrize("text", ["1F0@", "1F0@-1", "1F0@x", "1U0", "1U0@2", "U@1", "1U@", "@1", "1F0@1@2", "1u@1"])
+def test_subnet_action_parse_rejects(text: str) -> None:
+    with pytest.raises(ScheduleError, match=r"'2F1@4'.*'<stage>U\[@<subnet>\]'"):
+        Action.parse(text)
+
+
+def test_subnet_action_rejects_bad_fields() -> None:
+    with pytest.raises(ScheduleError, match="Action.subnet"):
+        Action(0, "F", 0, -1)
+    with pytest.raises(ScheduleError, match="an update .'U'. covers every micro-batch"):
+        Action(0, "U", 1, 0)
+
+
 def test_action_fields() -> None:
     assert Action.parse("1F0") == Action(1, "F", 0)
     assert str(Action(2, "B", 5)) == "2B5"
@@ -170,3 +200,55 @@ def test_format_grid_marks_and_aligns() -> None:
         "stage 1 |  1F0   1F1   1B0  [1B1]",
     ]
     assert "[" not in format_grid(gpipe(2, 2))
+
+
+# ------------------------------------------------------------------ cross-subnet validation
+
+
+def _subnets(rows: list[str], T: int, uses, **kw) -> Schedule:
+    actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
+    M = 1 + max(a.microbatch for row in actions for a in row)
+    return Schedule("hand", len(rows), M, actions, num_subnets=T, uses=uses, **kw)
+
+
+def test_validator_rejects_breaking_op_update_order() -> None:
+    uses = (({"w"}, set()), ({"w"}, set()))
+    ok = _subnets(["0F0 0B0 0U 0F0@1 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"], 2, uses)
+    assert validate(ok) is ok
+    bad = _subnets(["0F0 0B0 0F0@1 0U 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"], 2, uses)
+    msg = _assert_fails_cross(bad, ["0F0@1", "0U"], "breaks the op update order", "['w']", "subnet 1")
+    assert "as updated by subnet 0" in msg
+
+
+def _assert_fails_cross(sched: Schedule, marked: list[str], *words: str) -> str:
+    with pytest.raises(ScheduleError) as info:
+        validate(sched)
+    msg = str(info.value)
+    assert sorted(re.findall(r"\[(\d+[FBU]\d*(?:@\d+)?)\]", msg)) == sorted(marked), msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_validator_cross_subnet_completeness() -> None:
+    uses = ((set(),), (set(),))
+    _assert_fails_cross(_subnets(["0F0 0B0 0U 0F0@1 0B0@1"], 2, uses), [], "never runs 0U@1")
+    _assert_fails_cross(_subnets(["0F0 0U 0B0 0F0@1 0B0@1 0U@1"], 2, uses), ["0U"], "runs before 0B0")
+    _assert_fails_cross(_subnets(["0F0 0B0 0U 0U 0F0@1 0B0@1 0U@1"], 2, uses), ["0U", "0U"], "more than once")
+    _assert_fails_cross(_subnets(["0F0 0B0 0U 0F0@1 0B0@1 0U@1 0F0@2"], 2, uses), ["0F0@2"], "out of range")
+    with pytest.raises(ScheduleError, match="expected 2 subnets x 1 stages"):
+        _subnets(["0F0 0B0 0U"], 2, ((set(),),))
+
+
+def test_validator_cross_subnet_deadlock_names_the_waits() -> None:
+    uses = ((set(), set()),) * 2
+    sched = _subnets(["0F0 0B0 0F0@1 0U 0B0@1 0U@1", "1F0@1 1B0@1 1F0 1B0 1U 1U@1"], 2, uses)
+    msg = _assert_fails_cross(sched, ["0B0", "1F0@1"], "deadlock")
+    assert "0B0 waits for 1B0" in msg and "1F0@1 waits for 0F0@1" in msg
+
+
+def test_one_subnet_schedules_are_unchanged_by_the_subnet_field() -> None:
+    for P, M in SIZES[:20]:
+        sched = one_f_one_b(P, M)
+        assert sched.num_subnets == 1 and not sched.updates and sched.uses is None
+        assert all(a.subnet == 0 for row in sched.actions for a in row)

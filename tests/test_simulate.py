@@ -199,3 +199,133 @@ def test_copy_errors() -> None:
         simulate(sched, [1.0], [1.0], [], links=_links(1), copies=[Copy(0, "host", 1.0)])
     with pytest.raises(SimulationError, match="waits_for: expected indices of earlier copies"):
         simulate(sched, [1.0], [1.0], [], links=_links(1), copies=[Copy(0, "h2d", 1.0, waits_for=(0,))])
+
+
+# ------------------------------------------------------------------ cross-subnet schedules
+
+from pipeline.plan.simulate import makespan  # noqa: E402
+
+
+def _cross(rows: list[str], uses, **kw) -> Schedule:
+    actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
+    M = 1 + max(a.microbatch for row in actions for a in row)
+    return Schedule("hand", len(rows), M, actions, num_subnets=len(uses), uses=uses, **kw)
+
+
+def _work(P: int, fwd, bwd, send=None, update=None, uses=None):
+    from pipeline.plan.admission import SubnetWork
+    return SubnetWork(uses or (frozenset(),) * P, fwd, bwd, send or (0.0,) * (P - 1), update or (0.0,) * P)
+
+
+def test_per_subnet_costs_updates_and_losses() -> None:
+    # P=2, M=1, two subnets sharing op w on stage 1: each stage in turn, update last
+    uses = ((frozenset(), frozenset({"w"})),) * 2
+    sched = _cross(["0F0 0B0 0U 0F0@1 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"], uses)
+    work = [_work(2, (1.0, 2.0), (3.0, 4.0), (0.5,), (0.25, 0.75)), _work(2, (2.0, 1.0), (1.0, 1.0), (0.0,), (1.0, 1.0))]
+    r = simulate(sched, work=work)
+    span = {sp.action: (sp.start, sp.end) for row in r.timeline for sp in row}
+    A = Action.parse
+    assert span[A("0F0")] == (0.0, 1.0)
+    assert span[A("1F0")] == (1.5, 3.5)           # after the activation's 0.5 s on the link
+    assert span[A("1B0")] == (3.5, 7.5)
+    assert span[A("1U")] == (7.5, 8.25)
+    assert span[A("0B0")] == (8.0, 11.0)          # the gradient's 0.5 s
+    assert span[A("0U")] == (11.0, 11.25)         # after its backward and the losses (1U ended at 8.25)
+    assert span[A("0F0@1")] == (11.25, 13.25)     # stage 0 is free: nothing of subnet 1 waits there
+    assert span[A("1F0@1")] == (13.25, 14.25)     # reads w after 1U: the activation comes later
+    assert r.step_time == span[A("0U@1")][1] == max(e for _, e in span.values())
+    assert r.busy == (1 + 3 + 0.25 + 2 + 1 + 1, 2 + 4 + 0.75 + 1 + 1 + 1)
+    assert makespan(sched, work=work) == r.step_time
+    assert r.peak_in_flight == max_in_flight(sched) == (1, 1)  # updates hold no micro-batch
+
+
+def test_an_op_move_takes_its_state_time_after_the_update_it_follows() -> None:
+    uses = ((frozenset({"a"}), frozenset()), (frozenset(), frozenset({"a"})))
+    sched = _cross(["0F0 0B0 0U 0F0@1 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"], uses)
+    work = [_work(2, (1.0, 1.0), (1.0, 1.0))] * 2
+    r = simulate(sched, work=work, state_time={"a": 10.0})
+    span = {sp.action: sp for row in r.timeline for sp in row}
+    assert span[Action(1, "F", 0, 1)].start == span[Action(0, "U", 0, 0)].end + 10.0
+    assert simulate(sched, work=work).step_time < r.step_time  # moves free without state_time
+    # from an origin elsewhere, the first user waits for the move from the start
+    moved = _cross(["0F0 0B0 0U 0F0@1 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"], uses, origin={"a": 1})
+    r = simulate(moved, work=work, state_time={"a": 3.0})
+    assert r.timeline[0][0].start == 3.0
+    assert makespan(moved, work=work, state_time={"a": 3.0}) == r.step_time
+
+
+def test_per_stage_costs_on_a_cross_subnet_schedule_charge_every_subnet_alike() -> None:
+    from pipeline.plan.admission import cross_subnet
+    P, M, T = 3, 2, 4
+    work = [_work(P, (1.0,) * P, (2.0,) * P, uses=tuple(frozenset({f"w{s}"}) for s in range(P)))] * T
+    sched = cross_subnet(work, M, 2)
+    per_stage = simulate(sched, [1.0] * P, [2.0] * P, [0.0] * (P - 1))
+    per_subnet = simulate(sched, work=work)
+    assert per_stage.timeline == per_subnet.timeline
+    # window 1 with equal costs: T flushed 1F1B steps back to back (updates free)
+    flushed = cross_subnet(work, M, 1)
+    assert simulate(flushed, work=work).step_time == T * simulate(one_f_one_b(P, M), [1.0] * P, [2.0] * P,
+                                                                  [0.0] * (P - 1)).step_time
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_cross_subnet_timeline_respects_every_wait(seed: int) -> None:
+    from pipeline.plan.admission import SubnetWork, cross_subnet
+    rng = np.random.default_rng(seed)
+    P, M, T = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 6))
+    ops = [f"o{k}" for k in range(4)]
+    work = []
+    for _ in range(T):
+        uses = [set() for _ in range(P)]
+        for op in ops:
+            if rng.random() < 0.6:
+                uses[int(rng.integers(P))].add(op)
+        work.append(SubnetWork(tuple(frozenset(u) for u in uses), tuple(rng.uniform(0.1, 2, P)),
+                               tuple(rng.uniform(0.1, 2, P)), tuple(rng.uniform(0, 0.5, P - 1)),
+                               tuple(rng.uniform(0, 0.3, P))))
+    state = {op: float(rng.uniform(0, 2)) for op in ops}
+    sched = cross_subnet(work, M, int(rng.integers(1, T + 1)), state_time=state)
+    r = simulate(sched, work=work, state_time=state)
+    span = {sp.action: sp for row in r.timeline for sp in row}
+    for s, row in enumerate(r.timeline):
+        for prev, sp in zip(row, row[1:]):
+            assert sp.start >= prev.end
+        for sp in row:
+            a, w = sp.action, work[sp.action.subnet]
+            assert sp.end - sp.start == pytest.approx({"F": w.fwd, "B": w.bwd, "U": w.update}[a.kind][s])
+            for wait in sched.rule.waits(a):
+                if wait.action is None:
+                    assert sp.start >= state[wait.op] - 1e-12
+                    continue
+                arrive = span[wait.action].end + {"activation": w.send[min(s, s - 1)] if s else 0.0,
+                                                  "gradient": w.send[s] if s < P - 1 else 0.0,
+                                                  "state": state.get(wait.op or "", 0.0)}.get(wait.message, 0.0)
+                assert sp.start >= arrive - 1e-12, (a, wait)
+    assert r.peak_in_flight == max_in_flight(sched)
+    assert makespan(sched, work=work, state_time=state) == r.step_time
+
+
+def test_copies_on_a_cross_subnet_schedule() -> None:
+    from pipeline.plan.simulate import Copy
+    uses = ((frozenset(),), (frozenset(),))
+    sched = _cross(["0F0 0B0 0U 0F0@1 0B0@1 0U@1"], uses)
+    work = [_work(1, (1.0,), (1.0,))] * 2
+    r = simulate(sched, work=work, links=_links(1, h2d=1.0),
+                 copies=[Copy(0, "h2d", 5.0, ready=0.0, before=Action(0, "F", 0, 1))])
+    assert r.stall == (3.0,) and r.step_time == 7.0
+
+
+def test_cost_arguments_are_one_way_or_the_other() -> None:
+    sched = gpipe(2, 1)
+    with pytest.raises(SimulationError, match="not both"):
+        simulate(sched, [1.0] * 2, [1.0] * 2, [0.0], work=[_work(2, (1.0, 1.0), (1.0, 1.0))])
+    with pytest.raises(SimulationError, match="found neither"):
+        simulate(sched)
+    with pytest.raises(SimulationError, match=r"work: expected one SubnetWork per subnet .* \(1\), found 2"):
+        simulate(sched, work=[_work(2, (1.0, 1.0), (1.0, 1.0))] * 2)
+    with pytest.raises(SimulationError, match=r"work\[0\]: expected costs for 2 stages, found 3"):
+        simulate(sched, work=[_work(3, (1.0,) * 3, (1.0,) * 3)])
+    with pytest.raises(SimulationError, match="state_time: per-op move seconds go with per-subnet costs"):
+        simulate(sched, [1.0] * 2, [1.0] * 2, [0.0], state_time={"a": 1.0})
+    with pytest.raises(SimulationError, match=r"state_time\['a'\]"):
+        simulate(sched, work=[_work(2, (1.0, 1.0), (1.0, 1.0))], state_time={"a": -1.0})

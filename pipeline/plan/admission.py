@@ -5,16 +5,23 @@ updated in subnet order and each forward reads the version :class:`~pipeline.pla
 names (exact: after the previous user's update; ``delayed`` shared ops: ``delay`` updates late;
 ``frozen``: never updated). A subnet enters a stage as soon as the updates it reads there are
 done, so later subnets whose ops do not conflict overtake blocked ones; at most ``window``
-subnets are unfinished at once (``window = 1`` is the flushed step of today, 1F1B inside each
-subnet).
+subnets are unfinished at once: between the oldest unfinished subnet and the newest admitted
+one, so on each stage's list at most ``window`` subnets lie between their first action there
+and their update there, whatever the real times. ``window = 1`` is the flushed step of today:
+with equal stage costs exactly 1F1B inside each subnet; with unequal ones a stage may run a
+backward that is ready before a forward that 1F1B would wait for (never more in flight).
 
-The builder is a list scheduler over estimated times: each stage, when free, runs the ready
-action of highest priority (an update, then a backward, then a forward; older subnets and
+The builder is a list scheduler over estimated times, taken from the simulator's clock
+(:class:`~pipeline.plan.clock.Clock`, so the estimates are exactly what
+:func:`~pipeline.plan.simulate.simulate` replays of the result): each stage, when free, runs the
+ready action of highest priority (an update, then a backward, then a forward; older subnets and
 micro-batches first), and a stage holds at most ``cap[s]`` micro-batches between forward and
-backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries). The estimates
-only choose the order: the order is then a fixed schedule that the executor runs with real
-waits, so a wrong estimate costs bubble, never correctness. Pure: values in, values out; every
-rank computes the same schedule from the same inputs without a message.
+backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries; the last free slot
+goes to a subnet whose forward does not wait further down for an earlier subnet, which rules
+out a deadlock). The estimates only choose the order: the order is then a fixed schedule that
+the executor runs with real waits, so a wrong estimate costs bubble, never correctness. Pure:
+values in, values out; every rank computes the same schedule from the same inputs without a
+message.
 
     P=2, M=2, two subnets that share no op, window 2 (``a@t``: subnet ``t``)::
 
@@ -27,7 +34,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .schedule import Action, Schedule, ScheduleError, Wait, WaitRule
+from .clock import Clock
+from .schedule import Action, Schedule, ScheduleError, WaitRule
 
 __all__ = ["SubnetWork", "cross_subnet", "flushed", "in_flight_bound"]
 
@@ -66,6 +74,14 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
     ``state_time[op]``: seconds an op's move takes (default 0); ``origin``: each op's stage
     before the first action. Raises :class:`ScheduleError` for inputs of the wrong shape.
     """
+    return _admit(work, num_microbatches, window, frozen=frozen, delayed=delayed, delay=delay, origin=origin,
+                  state_time=state_time, cap=cap, name=name)[0]
+
+
+def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, frozen: frozenset[str],
+           delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None,
+           state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str) -> tuple[Schedule, Clock]:
+    """:func:`cross_subnet`, and the clock that timed its choices (the builder's estimates)."""
     if not work:
         raise ScheduleError("cross_subnet: expected at least one subnet, found none")
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -79,10 +95,13 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
     uses = tuple(w.uses for w in work)
     rule = WaitRule(P, M, T, uses, frozenset(frozen), frozenset(delayed), delay,
                     dict(origin) if origin is not None else None, updates=True)
-    moving = state_time or {}
-    end: dict[Action, float] = {}
+    # the simulator's clock: an estimate here is exactly what simulate() replays of the result
+    clock = Clock.per_subnet(rule, work, state_time)
+    ids = [[[clock.id(Action(s, k, m, t)) for k in "FB" for m in range(M)] + [clock.id(Action(s, "U", 0, t))]
+            for t in range(T)] for s in range(P)]  # per stage and subnet: F0..F(M-1), B0..B(M-1), U
+    acts = clock.net.actions
+    order = {i: (_PRIORITY[acts[i].kind], acts[i].subnet, acts[i].microbatch) for i in range(len(acts))}.__getitem__
     rows: list[list[Action]] = [[] for _ in range(P)]
-    free = [0.0] * P
     nf = [[0] * T for _ in range(P)]  # the next forward's micro-batch, per stage and subnet
     nb = [[0] * T for _ in range(P)]
     updated = [[False] * T for _ in range(P)]
@@ -90,68 +109,67 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
     done_stages = [0] * T
     lo = 0  # the oldest unfinished subnet
 
-    def arrival(w: Wait, a: Action) -> float | None:
-        if w.action is None:
-            return moving.get(w.op, 0.0)
-        e = end.get(w.action)
-        if e is None or w.message in (None, "losses"):
-            return e
-        if w.message == "state":
-            return e + moving.get(w.op, 0.0)
-        cut = min(w.action.stage, a.stage)
-        return e + work[a.subnet].send[cut]
+    # A stage's slots (cap) must not all go to later subnets whose forward waits, further down,
+    # for an update of an earlier subnet that itself needs a slot here: that is a deadlock. So
+    # the last free slot goes to a micro-batch whose way down is clear, or stays free while one
+    # such holds a slot (the oldest subnet's way is always clear, so it always gets through).
+    gates: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    settled: dict[Action, float] = {}  # ready times whose waits have all been placed (final)
+    def gate(t: int, s: int) -> tuple[int, ...]:
+        """The earlier subnets' actions that subnet ``t``'s first forward on stage ``s`` waits for."""
+        key = (t, s)
+        if key not in gates:
+            gates[key] = tuple(clock.id(w.action) for w in rule.waits(Action(s, "F", 0, t))
+                               if w.action is not None and w.action.subnet != t)
+        return gates[key]
 
-    def ready(a: Action) -> float | None:
-        got = settled.get(a)
-        if got is not None:
-            return got
-        t = 0.0
-        for w in rule.waits(a):
-            r = arrival(w, a)
-            if r is None:
-                return None
-            t = max(t, r)
-        settled[a] = t
-        return t
+    deepest: dict[int, int] = {}  # per subnet, the last stage its forward waits at (this round)
 
-    F = [[[Action(s, "F", m, t) for m in range(M)] for t in range(T)] for s in range(P)]  # made once
-    B = [[[Action(s, "B", m, t) for m in range(M)] for t in range(T)] for s in range(P)]
-    U = [[Action(s, "U", 0, t) for t in range(T)] for s in range(P)]
+    def blocked(t: int, s: int) -> bool:
+        """Whether subnet ``t``'s forward still waits past stage ``s`` for an earlier subnet."""
+        d = deepest.get(t)
+        if d is None:
+            d = deepest[t] = max((s2 for s2 in range(P) if nf[s2][t] == 0
+                                  and any(clock.end[j] is None for j in gate(t, s2))), default=-1)
+        return d > s
 
-    def candidates(s: int):
+    def candidates(s: int) -> list[int]:
+        out = []
+        last_slot, clear = live[s] + 1 == cap[s], None
         for t in range(lo, min(T, lo + window)):
-            if nf[s][t] < M and live[s] < cap[s]:
-                yield F[s][t][nf[s][t]]
-            if nb[s][t] < nf[s][t]:
-                yield B[s][t][nb[s][t]]
-            if nb[s][t] == M and not updated[s][t]:
-                yield U[s][t]
+            f, b = nf[s][t], nb[s][t]
+            if f < M and live[s] < cap[s]:
+                if last_slot and blocked(t, s):
+                    if clear is None:
+                        clear = any(nf[s][u] > nb[s][u] and not blocked(u, s) for u in range(lo, min(T, lo + window)))
+                    if clear:
+                        out.append(ids[s][t][f])
+                else:
+                    out.append(ids[s][t][f])
+            if b < f:
+                out.append(ids[s][t][M + b])
+            elif b == M and not updated[s][t]:
+                out.append(ids[s][t][2 * M])
+        return out
 
-    def propose(s: int) -> tuple[float, int, Action] | None:
-        """Stage ``s``'s next action: when it can start, and which (the highest priority ready then)."""
-        cands = [(a, r) for a in candidates(s) if (r := ready(a)) is not None]
-        if not cands:
-            return None
-        start = max(free[s], min(r for _, r in cands))
-        a = min((a for a, r in cands if r <= start), key=lambda a: (_PRIORITY[a.kind], a.subnet, a.microbatch))
-        return start, s, a
-
-    # a stage's proposal changes only when it runs something, when a message for it is sent,
-    # or when the window moves: recomputed then, not at every placement
-    proposals: list[tuple[float, int, Action] | None] = [propose(s) for s in range(P)]
     remaining = T * P * (2 * M + 1)
     while remaining:
-        best = min((p for p in proposals if p is not None), default=None)
+        best: tuple[float, int, int] | None = None
+        deepest.clear()
+        for s in range(P):
+            cands = [(i, r) for i in candidates(s) if (r := clock.ready(i)) is not None]
+            if not cands:
+                continue
+            start = max(clock.free[s], min(r for _, r in cands))
+            if best is None or start < best[0]:
+                best = (start, s, min((i for i, r in cands if r <= start), key=order))
         if best is None:  # the rule's waits all point at earlier subnets: cannot happen
             raise ScheduleError(f"cross_subnet: no stage can progress with {remaining} actions left (window {window})")
-        start, s, a = best
-        w = work[a.subnet]
-        end[a] = free[s] = start + {"F": w.fwd, "B": w.bwd, "U": w.update}[a.kind][s]
+        _, s, i = best
+        clock.run((i,))  # starts at max(free, ready): the start chosen above
+        a = acts[i]
         rows[s].append(a)
         remaining -= 1
-        stale = {s} | {dst for dst, _ in rule.sends(a)}
         if a.kind == "F":
             nf[s][a.subnet] += 1
             live[s] += 1
@@ -161,15 +179,12 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
         else:
             updated[s][a.subnet] = True
             done_stages[a.subnet] += 1
-            if lo < T and done_stages[lo] == P:
-                while lo < T and done_stages[lo] == P:
-                    lo += 1
-                stale = set(range(P))
-        for k in stale:
-            proposals[k] = propose(k)
-    return Schedule(name, P, M, tuple(tuple(r) for r in rows), num_subnets=T, uses=uses,
-                    frozen=frozenset(frozen), delayed=frozenset(delayed), delay=delay,
-                    origin=tuple(sorted(origin.items())) if origin is not None else None)
+            while lo < T and done_stages[lo] == P:
+                lo += 1
+    sched = Schedule(name, P, M, tuple(tuple(r) for r in rows), num_subnets=T, uses=uses,
+                     frozen=frozenset(frozen), delayed=frozenset(delayed), delay=delay,
+                     origin=tuple(sorted(origin.items())) if origin is not None else None)
+    return sched, clock
 
 
 def in_flight_bound(num_stages: int, num_microbatches: int, window: int) -> tuple[int, ...]:

@@ -290,11 +290,12 @@ class WaitRule:
 
     def sends(self, a: Action | None, stage: int | None = None) -> tuple[tuple[int, Wait], ...]:
         """The messages the stage of ``a`` sends when ``a`` has run (None: what ``stage`` sends
-        at the start), as (destination stage, wait), in sending order: activations or gradients,
-        losses to every other stage, then op states by op name."""
+        at the start, or every stage when ``stage`` is None), as (destination stage, wait), in
+        sending order: activations or gradients, losses to every other stage, then op states by
+        op name."""
         if a is None:
             return tuple((mv.dst, Wait(None, "state", mv.op)) for mv in self._moves_after.get(None, ())
-                         if mv.src == stage)
+                         if stage is None or mv.src == stage)
         out: list[tuple[int, Wait]] = []
         if a.kind == "F" and a.stage < self.P - 1:
             out.append((a.stage + 1, Wait(a, "activation")))

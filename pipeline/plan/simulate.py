@@ -3,13 +3,22 @@
 Model (pure; values in, values out):
 
 * Each stage runs its actions one at a time, in schedule order. An action starts when its stage
-  is free and its input message has arrived, and runs for ``fwd_time[s]`` or ``bwd_time[s]``.
+  is free and everything it waits for has arrived — what that is, the schedule's
+  :class:`~pipeline.plan.schedule.WaitRule` says (the one definition the validator, the admission
+  builder and the executor use too) — and runs for its cost: the forward or backward of one
+  micro-batch, or an update ``U``.
 * Sends are asynchronous: they never occupy the sending stage. Each cut ``c`` (between stage
   ``c`` and ``c + 1``) is a full-duplex link: the activation direction and the gradient direction
   are two independent FIFO resources. A transfer starts when its sender action ends and the
   previous transfer in the same direction has finished, and takes ``send_time[c]`` (activations)
   or ``grad_send_time[c]`` (gradients; defaults to ``send_time``). So back-to-back sends queue on
-  the link instead of overlapping.
+  the link instead of overlapping. A subnet's losses reach every stage when the last stage's
+  update ends (a few numbers: no cost); an op's state reaches its new stage ``state_time[op]``
+  after the update it follows (moves go point to point, beside the cut links).
+* Costs are per stage (``fwd_time``, ``bwd_time``, ``send_time``: every subnet alike, updates
+  and moves free, as a one-subnet step has always been simulated) or per subnet (``work``: one
+  :class:`~pipeline.plan.admission.SubnetWork` per subnet of a cross-subnet schedule, with its
+  own forward, backward, send and update seconds, and ``state_time`` per op).
 * Memory: a micro-batch's activations are held from the start of its F to the end of its B on
   that stage; peak memory is ``static_bytes[s] + peak_in_flight[s] * act_bytes[s]``, with the
   peak taken over the simulated timeline (same-instant events in action order).
@@ -21,6 +30,11 @@ Model (pure; values in, values out):
   ``waits_for``, and takes ``nbytes / rate``. An action that a copy must precede (``before``)
   waits for it: that wait is the stage's *stall*, and it shifts everything after it. Channels
   start free at ``HostLinks.*_free_at`` (a previous step's backlog, on this step's clock).
+
+One event loop (:class:`Clock`) times everything: stages, links and host channels are FIFO
+resources, and each action or copy starts when its resource is free and its inputs are there.
+The simulator runs it over the schedule's lists; the admission builder runs the same clock one
+chosen action at a time, so its estimates are exactly what this simulator replays.
 
 What crosses the host link for an op of ``p`` fp32 parameters (AdamW), per the two placements of
 the optimizer state that :mod:`bench.vtm` compares (the physics the tensor manager follows):
@@ -38,20 +52,22 @@ the optimizer state that :mod:`bench.vtm` compares (the physics the tensor manag
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .clock import Clock, SimulationError
 from .schedule import Action, Schedule, validate
 
-__all__ = ["Span", "SimResult", "SimulationError", "Copy", "CopySpan", "HostLinks", "CHANNELS", "makespan", "simulate"]
+if TYPE_CHECKING:
+    from .admission import SubnetWork
+
+__all__ = ["Span", "SimResult", "SimulationError", "Copy", "CopySpan", "HostLinks", "CHANNELS", "makespan",
+           "simulate"]
 
 CHANNELS = ("h2d", "d2h", "host")
-
-
-class SimulationError(ValueError):
-    """The simulator was given costs that do not fit the schedule."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,7 @@ class Span:
 
 @dataclass(frozen=True)
 class SimResult:
-    """What one simulated training step looks like.
+    """What one simulated training step (or a cross-subnet schedule's sequence of subnets) looks like.
 
     ``timeline[s]`` lists stage ``s``'s actions in the order they ran; ``peak_memory`` is None
     when no memory figures were given.
@@ -142,12 +158,65 @@ def _per(name: str, values: Sequence[float] | None, n: int, what: str) -> tuple[
     return values
 
 
+def _clock(schedule: Schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time,
+           check: bool) -> Clock:
+    """A fresh clock for ``schedule`` with its costs given per stage or per subnet (``work``)."""
+    P, T = schedule.num_stages, schedule.num_subnets
+    if work is not None:
+        if fwd_time is not None or bwd_time is not None or send_time is not None or grad_send_time is not None:
+            raise SimulationError("simulate: costs given twice; expected per-stage costs (fwd_time, bwd_time, "
+                                  "send_time) or per-subnet costs (work), not both")
+        if check:
+            if len(work) != T:
+                raise SimulationError(f"work: expected one SubnetWork per subnet of schedule {schedule.name!r} "
+                                      f"({T}), found {len(work)}")
+            for t, w in enumerate(work):
+                if len(w.fwd) != P:
+                    raise SimulationError(f"work[{t}]: expected costs for {P} stages, found {len(w.fwd)}")
+            for op, v in (state_time or {}).items():
+                if not (math.isfinite(v) and v >= 0):
+                    raise SimulationError(f"state_time[{op!r}]: expected finite non-negative seconds, found {v}")
+        return Clock.per_subnet(schedule.rule, work, state_time)
+    if fwd_time is None or bwd_time is None or send_time is None:
+        raise SimulationError("simulate: expected per-stage costs (fwd_time, bwd_time, send_time) or per-subnet "
+                              "costs (work=[SubnetWork, ...]); found neither")
+    if state_time:
+        raise SimulationError("state_time: per-op move seconds go with per-subnet costs (work=...); per-stage costs "
+                              "move ops for free")
+    if check:
+        fwd_time = _per("fwd_time", fwd_time, P, "stage")
+        bwd_time = _per("bwd_time", bwd_time, P, "stage")
+        send_time = _per("send_time", send_time, P - 1, "cut between stages")
+        grad_send_time = None if grad_send_time is None else _per("grad_send_time", grad_send_time, P - 1, "cut")
+    return Clock.per_stage(schedule.rule, fwd_time, bwd_time, send_time, grad_send_time)
+
+
+_PROGRAMS: dict[int, tuple[Schedule, list[list[int]], list[int]]] = {}
+
+
+def _program(schedule: Schedule) -> tuple[list[list[int]], list[int]]:
+    """Each stage's list as task ids, and an order of them all that respects every wait:
+    once per schedule object (schedules are frozen; a planner replays one thousands of times)."""
+    hit = _PROGRAMS.get(id(schedule))
+    if hit is not None and hit[0] is schedule:
+        return hit[1], hit[2]
+    zeros = [0.0] * schedule.num_stages
+    clock = Clock.per_stage(schedule.rule, zeros, zeros, zeros[1:])  # the order needs no costs
+    rows = [[clock.id(a) for a in row] for row in schedule.actions]
+    order = clock.order(rows)
+    if len(_PROGRAMS) >= 64:
+        _PROGRAMS.clear()
+    _PROGRAMS[id(schedule)] = (schedule, rows, order)  # holds the object, so its id is not reused meanwhile
+    return rows, order
+
+
 def _peak_live(spans: tuple[Span, ...]) -> int:
     """The most micro-batches held at once: +1 at each F start, -1 at each B end.
 
     Events at the same instant are taken in action order, so a B that ends as the next F
     starts frees first, and a zero-length F then B of one micro-batch still counts it.
     """
+    spans = tuple(sp for sp in spans if sp.action.kind != "U")
     if not spans:
         return 0
     is_f = np.array([sp.action.kind == "F" for sp in spans])
@@ -159,37 +228,50 @@ def _peak_live(spans: tuple[Span, ...]) -> int:
 
 def simulate(
     schedule: Schedule,
-    fwd_time: Sequence[float],
-    bwd_time: Sequence[float],
-    send_time: Sequence[float],
+    fwd_time: Sequence[float] | None = None,
+    bwd_time: Sequence[float] | None = None,
+    send_time: Sequence[float] | None = None,
     grad_send_time: Sequence[float] | None = None,
     static_bytes: Sequence[float] | None = None,
     act_bytes: Sequence[float] | None = None,
     copies: Sequence[Copy] | None = None,
     links: HostLinks | None = None,
+    *,
+    work: Sequence[SubnetWork] | None = None,
+    state_time: Mapping[str, float] | None = None,
 ) -> SimResult:
-    """Simulate one step of ``schedule``; costs are per stage (per micro-batch) and per cut.
+    """Simulate ``schedule`` (one step, or a cross-subnet schedule's whole sequence of subnets).
 
-    ``send_time`` and ``grad_send_time`` have ``P - 1`` entries (cut ``c`` joins stage ``c`` and
-    ``c + 1``). ``copies`` (with ``links``): jobs on the stages' host channels (module doc); without
-    them the result is the same as before channels existed. Raises :class:`ScheduleError` for an
-    invalid schedule and :class:`SimulationError` for costs of the wrong shape.
+    Costs per stage (per micro-batch) and per cut: ``send_time`` and ``grad_send_time`` have
+    ``P - 1`` entries (cut ``c`` joins stage ``c`` and ``c + 1``); every subnet alike, updates and
+    moves free. Or per subnet: ``work`` (one :class:`~pipeline.plan.admission.SubnetWork` per
+    subnet: forward, backward, update and send seconds) and ``state_time`` (op -> seconds its
+    move takes). ``copies`` (with ``links``): jobs on the stages' host channels (module doc);
+    without them the result is the same as before channels existed. Raises
+    :class:`ScheduleError` for an invalid schedule and :class:`SimulationError` for costs of the
+    wrong shape.
     """
     _validate_once(schedule)
     P = schedule.num_stages
-    fwd = _per("fwd_time", fwd_time, P, "stage")
-    bwd = _per("bwd_time", bwd_time, P, "stage")
-    send = _per("send_time", send_time, P - 1, "cut between stages")
-    gsend = send if grad_send_time is None else _per("grad_send_time", grad_send_time, P - 1, "cut")
+    clock = _clock(schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time, check=True)
     with_memory = static_bytes is not None or act_bytes is not None
     static = _per("static_bytes", static_bytes, P, "stage")
     act = _per("act_bytes", act_bytes, P, "stage")
-
+    rows, order = _program(schedule)
+    extra: dict = {}
     if copies is None:
-        timeline = _replay(schedule, fwd, bwd, send, gsend, record=True)
-        extra: dict = {}
+        clock.run(order)
     else:
-        timeline, extra = _replay_copies(schedule, fwd, bwd, send, gsend, _check_copies(schedule, copies, links), links)
+        copies = _check_copies(schedule, copies, links)
+        clock.run(clock.order(rows + clock.add_copies(copies, links)))
+        n = len(clock.net.actions)
+        free_at = {ch: tuple(clock.free[clock.channel[(ch, s)]] if (ch, s) in clock.channel
+                             else (getattr(links, f"{ch}_free_at") or (-math.inf,) * P)[s] for s in range(P))
+                   for ch in CHANNELS}
+        extra = dict(copies=tuple(CopySpan(c, clock.start[n + k], clock.end[n + k]) for k, c in enumerate(copies)),
+                     stall=tuple(clock.stall), free_at=free_at)
+    timeline = tuple(tuple(Span(a, clock.start[i], clock.end[i]) for a, i in zip(actions, ids))
+                     for actions, ids in zip(schedule.actions, rows))
     step_time = max((sp.end for row in timeline for sp in row), default=0.0)
     busy = tuple(sum(sp.end - sp.start for sp in row) for row in timeline)
     bubble = 1.0 - sum(busy) / (P * step_time) if step_time > 0 else 0.0
@@ -199,6 +281,17 @@ def simulate(
         peaks = (0,) * P  # nothing is kept for a backward
     memory = tuple(static[s] + peaks[s] * act[s] for s in range(P)) if with_memory else None
     return SimResult(step_time, busy, timeline, bubble, peaks, memory, **extra)
+
+
+def makespan(schedule: Schedule, fwd_time: Sequence[float] | None = None, bwd_time: Sequence[float] | None = None,
+             send_time: Sequence[float] | None = None, grad_send_time: Sequence[float] | None = None, *,
+             work: Sequence[SubnetWork] | None = None, state_time: Mapping[str, float] | None = None) -> float:
+    """:func:`simulate`'s ``step_time`` without validation or a timeline: fast enough for a
+    planner to score candidate partitions. ``schedule`` must be valid (the builders' are)."""
+    _, order = _program(schedule)
+    clock = _clock(schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time, check=False)
+    clock.run(order)
+    return max(clock.free, default=0.0)
 
 
 _VALIDATED: dict[int, Schedule] = {}
@@ -248,132 +341,3 @@ def _check_copies(schedule: Schedule, copies: Sequence[Copy], links: HostLinks |
                                       f"found {w!r}")
         links.rate(c.channel, c.stage)
     return copies
-
-
-def _replay_copies(schedule: Schedule, fwd, bwd, send, gsend, copies: tuple[Copy, ...], links: HostLinks):
-    """The event replay of :func:`_replay` with the host channels: actions wait for the copies
-    that precede them, copies for the actions and copies they follow, each channel in order."""
-    P = schedule.num_stages
-    arrival: dict[tuple[int, str, int], float] = {}
-    act_link = [0.0] * max(P - 1, 0)
-    grad_link = [0.0] * max(P - 1, 0)
-    free = [0.0] * P
-    pos = [0] * P
-    spans: list[list[Span]] = [[] for _ in range(P)]
-    ended: dict[Action, float] = {}
-    stall = [0.0] * P
-    chan_free = {ch: list(getattr(links, f"{ch}_free_at") or (-math.inf,) * P) for ch in CHANNELS}
-    queues: dict[tuple[str, int], list[int]] = {}
-    needs: dict[Action, list[int]] = {}
-    for k, c in enumerate(copies):
-        queues.setdefault((c.channel, c.stage), []).append(k)
-        if c.before is not None:
-            needs.setdefault(c.before, []).append(k)
-    qpos = {q: 0 for q in queues}
-    done: list[tuple[float, float] | None] = [None] * len(copies)
-    remaining = sum(len(row) for row in schedule.actions) + len(copies)
-    while remaining:
-        progressed = False
-        for (ch, st), idx in queues.items():  # copies, each channel in order
-            while qpos[(ch, st)] < len(idx):
-                k = idx[qpos[(ch, st)]]
-                c = copies[k]
-                if (c.after is not None and c.after not in ended) or any(done[w] is None for w in c.waits_for):
-                    break
-                start = max(chan_free[ch][st], c.ready, ended.get(c.after, -math.inf),
-                            *(done[w][1] for w in c.waits_for))
-                start = max(start, 0.0) if math.isinf(start) else start
-                end = start + c.nbytes / links.rate(ch, st)
-                chan_free[ch][st] = end
-                done[k] = (start, end)
-                qpos[(ch, st)] += 1
-                remaining -= 1
-                progressed = True
-        for s in range(P):
-            row = schedule.actions[s]
-            while pos[s] < len(row):
-                a = row[pos[s]]
-                needs_msg = (a.kind == "F" and s > 0) or (a.kind == "B" and s < P - 1)
-                key = (s, a.kind, a.microbatch)
-                if needs_msg and key not in arrival:
-                    break
-                waits = needs.get(a, ())
-                if any(done[k] is None for k in waits):
-                    break
-                could = max(free[s], arrival.get(key, 0.0))
-                start = max(could, *(done[k][1] for k in waits)) if waits else could
-                stall[s] += start - could
-                end = start + (fwd[s] if a.kind == "F" else bwd[s])
-                free[s] = end
-                ended[a] = end
-                spans[s].append(Span(a, start, end))
-                if a.kind == "F" and s < P - 1:
-                    act_link[s] = max(end, act_link[s]) + send[s]
-                    arrival[(s + 1, "F", a.microbatch)] = act_link[s]
-                elif a.kind == "B" and s > 0:
-                    grad_link[s - 1] = max(end, grad_link[s - 1]) + gsend[s - 1]
-                    arrival[(s - 1, "B", a.microbatch)] = grad_link[s - 1]
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [f"{copies[idx[qpos[q]]].label or idx[qpos[q]]} on {q[0]}[{q[1]}]"
-                     for q, idx in queues.items() if qpos[q] < len(idx)]
-            raise SimulationError(f"simulate: copies and actions wait for each other (a copy after an action "
-                                  f"that needs it?): stages at {pos}, copies waiting: {stuck}")
-    spans_out = tuple(CopySpan(c, *done[k]) for k, c in enumerate(copies))
-    free_at = {ch: tuple(chan_free[ch]) for ch in CHANNELS}
-    return tuple(tuple(row) for row in spans), dict(copies=spans_out, stall=tuple(stall), free_at=free_at)
-
-
-def _replay(schedule: Schedule, fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float],
-            gsend: Sequence[float], record: bool):
-    """The event replay shared by :func:`simulate` (``record``: every action's span) and
-    :func:`makespan` (only the end time). The schedule must be valid."""
-    P = schedule.num_stages
-    # arrival[(receiving stage, kind, microbatch)] = when the message is there
-    arrival: dict[tuple[int, str, int], float] = {}
-    act_link = [0.0] * max(P - 1, 0)   # when cut c's forward direction is next free
-    grad_link = [0.0] * max(P - 1, 0)  # when cut c's backward direction is next free
-    free = [0.0] * P
-    pos = [0] * P
-    spans: list[list[Span]] = [[] for _ in range(P)]
-    remaining = sum(len(row) for row in schedule.actions)
-    while remaining:
-        progressed = False
-        for s in range(P):
-            row = schedule.actions[s]
-            while pos[s] < len(row):
-                a = row[pos[s]]
-                needs_msg = (a.kind == "F" and s > 0) or (a.kind == "B" and s < P - 1)
-                key = (s, a.kind, a.microbatch)
-                if needs_msg and key not in arrival:
-                    break
-                start = max(free[s], arrival.get(key, 0.0))
-                end = start + (fwd[s] if a.kind == "F" else bwd[s])
-                free[s] = end
-                if record:
-                    spans[s].append(Span(a, start, end))
-                if a.kind == "F" and s < P - 1:
-                    act_link[s] = max(end, act_link[s]) + send[s]
-                    arrival[(s + 1, "F", a.microbatch)] = act_link[s]
-                elif a.kind == "B" and s > 0:
-                    grad_link[s - 1] = max(end, grad_link[s - 1]) + gsend[s - 1]
-                    arrival[(s - 1, "B", a.microbatch)] = grad_link[s - 1]
-                pos[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # validate() rules this out; never loop forever on a bug
-            raise SimulationError(f"simulate: no stage could progress at positions {pos}")
-
-    if record:
-        return tuple(tuple(row) for row in spans)
-    return max(free, default=0.0)
-
-
-def makespan(schedule: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[float],
-             send_time: Sequence[float], grad_send_time: Sequence[float] | None = None) -> float:
-    """:func:`simulate`'s ``step_time`` without validation or a timeline: fast enough for a
-    planner to score candidate partitions. ``schedule`` must be valid (the builders' are)."""
-    return _replay(schedule, fwd_time, bwd_time, send_time,
-                   send_time if grad_send_time is None else grad_send_time, record=False)
