@@ -19,16 +19,25 @@ from hydra import compose, initialize_config_dir
 from search.app import run
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["space.layers=2", "space.channels=[4,8]", "space.downsample_at=[1]",
-        "train.steps=12", "train.batch_size=32", "train.microbatches=2", "train.checkpoint_every=5",
+TINY_CONV = ["space.layers=2", "space.channels=[4,8]", "space.downsample_at=[1]"]
+TINY = ["train.steps=12", "train.batch_size=32", "train.microbatches=2", "train.checkpoint_every=5",
         "train.log_every=4", "train.warmup_steps=2", "search.population=4", "search.generations=2", "search.top_k=3",
         "search.bn_calib_batches=1", "search.calib_batch_size=32", "threads=1"]
 DELAYED = ["pipeline.window=4", "pipeline.shared_ops=delayed", "pipeline.shared_delay=1", "sampler=fair"]
 
 
+DIVERGING = ["~space", "+space._target_=tests.diverging_space.build", "+space.at_step=7", "+space.at_microbatch=1"]
+
+
 def cfg(*overrides: str):
+    space = [] if overrides[:1] == ("~space",) else TINY_CONV
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*TINY, *overrides])
+        return compose("config", overrides=[*space, *TINY, *overrides])
+
+
+@pytest.fixture(autouse=True)
+def repo_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))  # so that `tests.diverging_space` imports
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,7 @@ def test_delayed_reads_change_the_train_digest(tmp_path: Path) -> None:
 def test_torchrun_cross_subnet_matches_one_process_and_resumes(one_process: dict, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [*TINY, *DELAYED, "pipeline.timeout_s=60", "pipeline.trace_steps=[6]", f"hydra.run.dir={tmp_path}/run"]
+    args = [*TINY_CONV, *TINY, *DELAYED, "pipeline.timeout_s=60", "pipeline.trace_steps=[6]", f"hydra.run.dir={tmp_path}/run"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
     first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-4000:]
@@ -78,3 +87,20 @@ def test_torchrun_cross_subnet_matches_one_process_and_resumes(one_process: dict
     resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert resumed["resumed_from_step"] == 10
     assert resumed["params_digest"] == one_process["delayed"]["params_digest"]
+
+
+def test_nonfinite_loss_in_a_segment_stops_at_that_step(tmp_path: Path) -> None:
+    """Subnets after the diverging one ran in its segment, but the run stops at its step as the
+    flushed run does: its metrics end there and the last good checkpoint stays."""
+    from search.app import NonFiniteLoss
+    from search.checkpoint import load_checkpoint
+
+    with pytest.raises(NonFiniteLoss) as e:
+        run(cfg(*DIVERGING, *DELAYED[:3]), output_dir=tmp_path / "stop")
+    assert str(e.value).startswith("step 7: the loss is nan at micro-batch 1") and e.value.step == 7
+    metrics = [json.loads(x) for x in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(8)) and metrics[-1]["nonfinite"] == "stop"
+    assert load_checkpoint(tmp_path / "stop" / "checkpoint.pt").step == 5
+
+    skipped = run(cfg(*DIVERGING, *DELAYED[:3], "train.nonfinite=skip"), output_dir=tmp_path / "skip")
+    assert skipped["nonfinite_steps_skipped"] == 1 and skipped["final_loss"] is not None

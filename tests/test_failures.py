@@ -46,3 +46,17 @@ def test_ranks_that_disagree_on_the_subnet_stop_before_anything_moves(ahead: boo
         assert f"rank {r} (stage {r}) failed at step 2 during plan" in p.stderr, p.stderr[-2000:]
         assert "ranks disagree on the subnet or its partition" in p.stderr, p.stderr[-2000:]
     assert seconds < 100
+
+
+def test_a_failing_rank_stops_a_cross_subnet_run_naming_step_and_action() -> None:
+    """Several subnets in flight: the report names the rank, the step (the subnet) and the action,
+    with the excerpt of the segment's grid around it; the other ranks quote it and exit."""
+    sc = [Scenario("transformer", "1f1b", steps=4, segment=4,
+                   extra={"window": 3, "shared_ops": "delayed", "shared_delay": 1})]
+    _, procs, seconds = spawn(2, sc, timeout_s=120, env_extra={"PIPENAS_FAULT": "1:2:1B1:raise"}, expect_ok=False)
+    assert all(p is not None for p in procs), "a rank hung"
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert "rank 1 (stage 1) failed at step 2 during 1B1" in procs[1].stderr, procs[1].stderr[-2000:]
+    assert "[1B1@2]" in procs[1].stderr, "the grid excerpt with the failing action marked is missing"
+    assert "root cause: rank 1 failed at step 2 during 1B1" in procs[0].stderr, procs[0].stderr[-2000:]
+    assert seconds < 100
