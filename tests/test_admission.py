@@ -227,6 +227,20 @@ def test_the_builders_estimates_are_what_the_simulator_replays(mode: str, seed: 
             i = clock.id(sp.action)
             assert (sp.start, sp.end) == (clock.start[i], clock.end[i]), sp.action
     assert r.step_time == max(clock.end)
+    # and on the timeline: each op updated in subnet order, each first forward after the
+    # update it reads (plus the op's move when it changed stage)
+    span = {sp.action: sp for row in r.timeline for sp in row}
+    back = {"exact": 1, "delayed": kw["delay"] + 1, "frozen": None}
+    for op, us in _users(sched.uses).items():
+        b = back[mode if op in ("stem", "head") else "exact"]
+        ends = [span[Action(s, "U", 0, t)].end for t, s in us]
+        if b is not None:
+            assert ends == sorted(ends), op
+        for k, (t, s) in enumerate(us):
+            if b is not None and k >= b:
+                t0, s0 = us[k - b]
+                move = kw["state_time"].get(op, 0.0) if us[k - 1][1] != s else 0.0
+                assert span[Action(s, "F", 0, t)].start >= span[Action(s0, "U", 0, t0)].end + move - 1e-12
 
 
 def test_a_subnet_waiting_further_down_runs_ahead_one_micro_batch_at_a_time() -> None:
