@@ -227,17 +227,46 @@ def test_the_builders_estimates_are_what_the_simulator_replays(mode: str, seed: 
             i = clock.id(sp.action)
             assert (sp.start, sp.end) == (clock.start[i], clock.end[i]), sp.action
     assert r.step_time == max(clock.end)
+    # and on the timeline: each op updated in subnet order, each first forward after the
+    # update it reads (plus the op's move when it changed stage)
+    span = {sp.action: sp for row in r.timeline for sp in row}
+    back = {"exact": 1, "delayed": kw["delay"] + 1, "frozen": None}
+    for op, us in _users(sched.uses).items():
+        b = back[mode if op in ("stem", "head") else "exact"]
+        ends = [span[Action(s, "U", 0, t)].end for t, s in us]
+        if b is not None:
+            assert ends == sorted(ends), op
+        for k, (t, s) in enumerate(us):
+            if b is not None and k >= b:
+                t0, s0 = us[k - b]
+                move = kw["state_time"].get(op, 0.0) if us[k - 1][1] != s else 0.0
+                assert span[Action(s, "F", 0, t)].start >= span[Action(s0, "U", 0, t0)].end + move - 1e-12
 
 
-def test_the_last_free_slot_goes_to_a_subnet_whose_way_down_is_clear() -> None:
-    """Subnet 1 could fill stage 0's two slots while subnet 0 waits for op a to arrive there;
+def test_a_subnet_waiting_further_down_runs_ahead_one_micro_batch_at_a_time() -> None:
+    """Subnet 1 could fill stage 0's slots while subnet 0 waits for op a to arrive there;
     subnet 1's forward on stage 1 needs a after subnet 0's update on stage 0: a deadlock the
-    builder used to run into ('no stage can progress'). One slot stays for subnet 0."""
-    work = [SubnetWork(({"a"}, set()), (1.0, 1.0), (2.0, 2.0)), SubnetWork((set(), {"a"}), (1.0, 1.0), (2.0, 2.0))]
-    sched = cross_subnet(work, 2, 2, origin={"a": 1}, state_time={"a": 5.0})
-    validate(sched)
-    assert _rows(sched)[0][:2] == ["0F0@1", "0F0"]  # subnet 1 overtakes with one micro-batch only
-    check_sequential_semantics(sched, {}, 0)
+    builder used to run into ('no stage can progress'). Subnet 1 runs ahead with one
+    micro-batch, whatever the cap, and the rest follows subnet 0's update."""
+    for M, cap in ((2, None), (3, [4, 1])):
+        work = [SubnetWork(({"a"}, set()), (1.0, 1.0), (2.0, 2.0)), SubnetWork((set(), {"a"}), (1.0, 1.0), (2.0, 2.0))]
+        sched = cross_subnet(work, M, 2, origin={"a": 1}, state_time={"a": 5.0}, cap=cap)
+        validate(sched)
+        row = _rows(sched)[0]
+        assert row[:2] == ["0F0@1", "0F0"]
+        assert row.index("0U") < row.index("0F1@1")
+        check_sequential_semantics(sched, {}, 0)
+
+
+def test_a_wide_window_is_not_clogged_by_subnets_that_wait_further_down() -> None:
+    """Subnets that conflict further down used to take every slot but one on the stages above
+    the conflict, leaving the pipeline one micro-batch wide: window 6 then did no better than
+    window 2 (58 s both). One micro-batch ahead per stage leaves room for the rest (51 s)."""
+    at = [(1, "w2"), (3, "w2"), (2, "w0"), (2, "w0"), (1, "w0"), (2, "w1")]
+    work = [_work([{op} if s == stage else set() for s in range(4)]) for stage, op in at]
+    wide = simulate(cross_subnet(work, 2, 6), work=work).step_time
+    assert wide == 51.0
+    assert wide < simulate(cross_subnet(work, 2, 2), work=work).step_time
 
 
 # ------------------------------------------------------------------- overtaking, conflicts

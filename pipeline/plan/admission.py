@@ -16,12 +16,13 @@ The builder is a list scheduler over estimated times, taken from the simulator's
 :func:`~pipeline.plan.simulate.simulate` replays of the result): each stage, when free, runs the
 ready action of highest priority (an update, then a backward, then a forward; older subnets and
 micro-batches first), and a stage holds at most ``cap[s]`` micro-batches between forward and
-backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries; the last free slot
-goes to a subnet whose forward does not wait further down for an earlier subnet, which rules
-out a deadlock). The estimates only choose the order: the order is then a fixed schedule that
-the executor runs with real waits, so a wrong estimate costs bubble, never correctness. Pure:
-values in, values out; every rank computes the same schedule from the same inputs without a
-message.
+backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries). A subnet whose
+forward still waits further down for an earlier subnet runs ahead on a stage one micro-batch at
+a time, never in its only slot, so the slots stay with the subnets that can get through: no
+deadlock, no clogged pipeline. The estimates only choose the order: the order is then a fixed
+schedule that the executor runs with real waits, so a wrong estimate costs bubble, never
+correctness. Pure: values in, values out; every rank computes the same schedule from the same
+inputs without a message.
 
     P=2, M=2, two subnets that share no op, window 2 (``a@t``: subnet ``t``)::
 
@@ -109,10 +110,11 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     done_stages = [0] * T
     lo = 0  # the oldest unfinished subnet
 
-    # A stage's slots (cap) must not all go to later subnets whose forward waits, further down,
-    # for an update of an earlier subnet that itself needs a slot here: that is a deadlock. So
-    # the last free slot goes to a micro-batch whose way down is clear, or stays free while one
-    # such holds a slot (the oldest subnet's way is always clear, so it always gets through).
+    # A subnet whose forward still waits further down for an earlier subnet's update may run
+    # ahead on a stage one micro-batch at a time, never in the stage's only slot: its
+    # micro-batches would hold the slots that the subnets ahead of it need there (a deadlock
+    # when they all do, a clogged pipeline when most do). Those ahead always get a slot, and
+    # the oldest subnet's way is always clear, so it always gets through.
     gates: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def gate(t: int, s: int) -> tuple[int, ...]:
@@ -135,14 +137,15 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
 
     def candidates(s: int) -> list[int]:
         out = []
-        last_slot, clear = live[s] + 1 == cap[s], None
-        for t in range(lo, min(T, lo + window)):
+        admitted = range(lo, min(T, lo + window))
+        ahead: bool | None = None  # may a subnet that waits further down run ahead on this stage?
+        for t in admitted:
             f, b = nf[s][t], nb[s][t]
             if f < M and live[s] < cap[s]:
-                if last_slot and blocked(t, s):
-                    if clear is None:
-                        clear = any(nf[s][u] > nb[s][u] and not blocked(u, s) for u in range(lo, min(T, lo + window)))
-                    if clear:
+                if blocked(t, s):
+                    if ahead is None:
+                        ahead = cap[s] > 1 and not any(nf[s][u] > nb[s][u] and blocked(u, s) for u in admitted)
+                    if ahead:
                         out.append(ids[s][t][f])
                 else:
                     out.append(ids[s][t][f])

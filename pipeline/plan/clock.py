@@ -13,6 +13,7 @@ estimates are exactly what the simulator replays. Pure: values in, values out.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -98,17 +99,14 @@ class _Net:
         return table, sends + sends + [0.0] + [float(state_time.get(op, 0.0)) for op in self.ops]
 
 
-_NETS: dict[int, tuple[WaitRule, _Net]] = {}
+# compiled once per rule, and forgotten with it (a cross-subnet rule of thousands of actions is large)
+_NETS: weakref.WeakKeyDictionary[WaitRule, _Net] = weakref.WeakKeyDictionary()
 
 
 def _net(rule: WaitRule) -> _Net:
-    hit = _NETS.get(id(rule))
-    if hit is not None and hit[0] is rule:
-        return hit[1]
-    if len(_NETS) >= 64:
-        _NETS.clear()
-    net = _Net(rule)
-    _NETS[id(rule)] = (rule, net)  # holds the rule, so its id is not reused meanwhile
+    net = _NETS.get(rule)
+    if net is None:
+        net = _NETS[rule] = _Net(rule)
     return net
 
 

@@ -52,6 +52,7 @@ the optimizer state that :mod:`bench.vtm` compares (the physics the tensor manag
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -191,23 +192,20 @@ def _clock(schedule: Schedule, fwd_time, bwd_time, send_time, grad_send_time, wo
     return Clock.per_stage(schedule.rule, fwd_time, bwd_time, send_time, grad_send_time)
 
 
-_PROGRAMS: dict[int, tuple[Schedule, list[list[int]], list[int]]] = {}
+# per schedule (through its rule, which belongs to it alone), forgotten with it
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _program(schedule: Schedule) -> tuple[list[list[int]], list[int]]:
     """Each stage's list as task ids, and an order of them all that respects every wait:
     once per schedule object (schedules are frozen; a planner replays one thousands of times)."""
-    hit = _PROGRAMS.get(id(schedule))
-    if hit is not None and hit[0] is schedule:
-        return hit[1], hit[2]
-    zeros = [0.0] * schedule.num_stages
-    clock = Clock.per_stage(schedule.rule, zeros, zeros, zeros[1:])  # the order needs no costs
-    rows = [[clock.id(a) for a in row] for row in schedule.actions]
-    order = clock.order(rows)
-    if len(_PROGRAMS) >= 64:
-        _PROGRAMS.clear()
-    _PROGRAMS[id(schedule)] = (schedule, rows, order)  # holds the object, so its id is not reused meanwhile
-    return rows, order
+    hit = _PROGRAMS.get(schedule.rule)
+    if hit is None:
+        zeros = [0.0] * schedule.num_stages
+        clock = Clock.per_stage(schedule.rule, zeros, zeros, zeros[1:])  # the order needs no costs
+        rows = [[clock.id(a) for a in row] for row in schedule.actions]
+        hit = _PROGRAMS[schedule.rule] = (rows, clock.order(rows))
+    return hit
 
 
 def _peak_live(spans: tuple[Span, ...]) -> int:
@@ -294,18 +292,17 @@ def makespan(schedule: Schedule, fwd_time: Sequence[float] | None = None, bwd_ti
     return max(clock.free, default=0.0)
 
 
-_VALIDATED: dict[int, Schedule] = {}
+_VALIDATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _validate_once(schedule: Schedule) -> None:
-    """:func:`validate`, once per schedule object (schedules are frozen): a bench replaying
-    thousands of steps of one schedule would otherwise spend half its time re-checking it."""
-    if _VALIDATED.get(id(schedule)) is schedule:
+    """:func:`validate`, once per schedule object (schedules are frozen; keyed by its rule,
+    which belongs to it alone): a bench replaying thousands of steps of one schedule would
+    otherwise spend half its time re-checking it."""
+    if schedule.rule in _VALIDATED:
         return
     validate(schedule)
-    if len(_VALIDATED) >= 64:
-        _VALIDATED.clear()
-    _VALIDATED[id(schedule)] = schedule  # holds the object, so its id is not reused meanwhile
+    _VALIDATED[schedule.rule] = True
 
 
 def _check_copies(schedule: Schedule, copies: Sequence[Copy], links: HostLinks | None) -> tuple[Copy, ...]:

@@ -1,0 +1,359 @@
+"""Issue 15: cross-subnet pipelining on NASPipe's space, simulated (``--mode simulated``).
+
+The space and costs are ``bench/naspipe_planner.py``'s ``analytic`` source: the transformer
+preset ``naspipe`` (48 choice layers x 24 candidates, width 1024), micro-batches of 8 sequences
+of 128 tokens, analytic costs at GPU-like rates (1e14 FLOP/s, 2e12 B/s, 10 us per op), an
+NVLink-like link (100 GB/s, 10 us). For each (P, M, sampler) a stream of ``--subnets`` archs
+from the project's sampler (``search.samplers.make_sampler``, ``uniform`` or ``fair``) is
+partitioned subnet by subnet by the dynamic planner, chained through the op owners as the
+runtime does (``pipeline.plan.placement``: initial owners, each plan's moves; the plan of a
+subnet sees where its ops are after the plans before it). Each subnet becomes a
+:class:`~pipeline.plan.admission.SubnetWork`: per stage its ops with state (parameters or
+buffers; identity/zero/sum have none) and the sums of their forward and backward seconds; per
+cut the link's latency + the cut's bytes / bandwidth; per stage the SGD update, one optimizer
+call over the stage's ops as the runtime makes (weights, grads and momentum read, weights and
+momentum written: 5 x the parameter bytes at 2e12 B/s, + 10 us). An op's move takes the link
+latency + its weights and optimizer state / bandwidth.
+
+The cross-subnet schedule of the whole stream (``pipeline.plan.admission.cross_subnet``) is
+replayed by the simulator (``pipeline.plan.simulate``) beside today's flushed 1F1B on the same
+stream, same costs (``cross_subnet`` with window 1: each subnet drained before the next, its
+moves after the update before):
+
+* ``utilisation``: busy / (P x makespan) of the cross-subnet schedule (busy: forwards, backwards
+  and updates); ``flush_bound``: the same of the flushed schedule; ``over_flush``: throughput of
+  cross over flushed (flushed makespan / cross makespan, the same subnets);
+  ``flush_1f1b_utilisation``: the flushed step in 1F1B's literal order per subnet (what the
+  runtime runs today; ``flush_bound`` lets a stage run a ready backward first).
+* shared ops (``shared_ops``): the graph's fixed ops, ``stem`` and ``head``, which every subnet
+  runs: ``exact`` (read after the previous subnet's update), ``delayed`` (read ``delay`` updates
+  late), ``frozen`` (NASPipe's choice: never updated). ``window`` and ``delay`` per row: the
+  smallest of a grid that meets the row's target utilisation (0.90 / 0.85 at P = 4 / 8 with
+  M = 1, 0.95 with M = 4), else the best of the grid, which stops where utilisation stops
+  growing (``choice`` says which; ``grid`` lists what was tried).
+* ``naspipe_rule`` rows (uniform sampler): NASPipe's rule, frozen shared ops and a window of 30
+  (each stage runs the first non-conflicting subnet of the 30).
+* ``cross_subnet_options`` rows (fair/delayed): what two knobs buy, each row with its own
+  window and delay from the grid: ``eps`` = 0 (the planner's best balance instead of the
+  runtime's 5 % slack for fewer moves: across subnets a move rarely waits) and ``cap`` = 2x
+  (twice 1F1B's in-flight micro-batches per stage: twice its activation memory).
+* ``per_window_partition`` rows: the fair/delayed setting with one partition per block of
+  ``window`` consecutive subnets (the dynamic planner on the block's mean op costs) instead of
+  one per subnet, against the per-subnet partitions, same schedule settings.
+* ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
+
+Real rows (``mode = "real"``: gloo runs of the app, P = 2, M = 4, alternating rounds) are not
+made here: they belong to a function beside :func:`simulated_rows` that the runtime engineer
+adds with the executor, printing the same fields.
+
+    python bench/cross_subnet.py [--subnets 192] [--seed 0] [--stages 4 8] [--microbatches 1 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._spawn import emit, progress  # noqa: E402
+from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
+from pipeline.plan.costs import CostTable, analytic_costs, subnet_problem  # noqa: E402
+from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
+from pipeline.plan.placement import initial_owners, moves, stages_of  # noqa: E402
+from pipeline.plan.planners import DynamicPlanner  # noqa: E402
+from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
+from pipeline.plan.simulate import simulate  # noqa: E402
+from search.samplers import make_sampler  # noqa: E402
+from supernet import SupernetGraph, build_op  # noqa: E402
+from supernet.spaces import transformer  # noqa: E402
+
+SETTING = dict(width=1024, microbatch=8, sample_shape=(128, 64), layers=48,
+               rates=dict(flops_per_s=1e14, bytes_per_s=2e12, overhead_s=1e-5),
+               link=dict(latency_s=1e-5, bandwidth=100e9))
+SHARED_MODES = ("exact", "delayed", "frozen")
+TARGETS = {(4, 1): 0.90, (8, 1): 0.85}  # (P, M) -> utilisation target; 0.95 with M = 4
+NASPIPE_WINDOW = 30
+
+
+def target(P: int, M: int) -> float:
+    return TARGETS.get((P, M), 0.95 if M >= 4 else 0.90)
+
+
+# ------------------------------------------------------------------------------ the space
+
+
+class Space:
+    """NASPipe's space with its cost table, the ops with state, and their update and move seconds."""
+
+    def __init__(self, graph: SupernetGraph, table: CostTable, link: Mapping[str, float], bytes_per_s: float,
+                 overhead_s: float) -> None:
+        self.graph, self.table, self.link = graph, table, dict(link)
+        stateful: dict[tuple, bool] = {}
+        self.stateful: set[str] = set()
+        for slot in graph.slots():
+            if slot.spec not in stateful:
+                with torch.device("meta"):
+                    m = build_op(slot.spec, slot.op_id, 0)
+                stateful[slot.spec] = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+            if stateful[slot.spec]:
+                self.stateful.add(slot.op_id)
+        self.shared = frozenset(s.op_id for s in graph.slots() if not graph.is_choice(s.node))
+        ops = table.ops
+        # SGD with momentum: weights, grads, momentum read; weights, momentum written (one call per stage)
+        self.update = {op: 5 * c.param_bytes / bytes_per_s for op, c in ops.items()}
+        self.update_overhead = overhead_s
+        self.move = {op: link["latency_s"] + (c.param_bytes + c.optim_bytes) / link["bandwidth"]
+                     for op, c in ops.items()}
+
+
+def build_space(layers: int = SETTING["layers"], width: int = SETTING["width"],
+                microbatch: int = SETTING["microbatch"], sample_shape: tuple[int, ...] = SETTING["sample_shape"],
+                rates: Mapping[str, float] = SETTING["rates"], link: Mapping[str, float] = SETTING["link"]) -> Space:
+    graph = transformer.build(input_shape=sample_shape, num_classes=10, preset="naspipe", layers=layers, width=width)
+    table = analytic_costs(graph, sample_shape, microbatch, "sgd", **rates)
+    return Space(graph, table, link, rates["bytes_per_s"], rates["overhead_s"])
+
+
+# ------------------------------------------------------------------------- the subnets' work
+
+
+def subnet_work(space: Space, active, bounds: Sequence[int], problem: PartitionProblem) -> SubnetWork:
+    """One subnet's :class:`SubnetWork` under ``bounds`` (the partition of its active ops)."""
+    P = len(bounds) - 1
+    ops = [space.table.ops[op.op_id] for op in active]
+    stage = [range(bounds[s], bounds[s + 1]) for s in range(P)]
+    link = space.link
+    return SubnetWork(
+        uses=tuple(frozenset(active[i].op_id for i in r if active[i].op_id in space.stateful) for r in stage),
+        fwd=tuple(sum(ops[i].fwd for i in r) for r in stage),
+        bwd=tuple(sum(ops[i].bwd for i in r) for r in stage),
+        send=tuple(link["latency_s"] + problem.cut_bytes[bounds[c + 1]] / link["bandwidth"] for c in range(P - 1)),
+        update=tuple(space.update_overhead + sum(space.update[active[i].op_id] for i in r
+                                                 if active[i].op_id in space.stateful) for r in stage))
+
+
+def _block_problem(space: Space, actives: Sequence, P: int, M: int) -> PartitionProblem:
+    """The mean problem of a block of subnets: node by node, the mean of the ops they run there."""
+    link, table = space.link, space.table
+    first = subnet_problem(space.graph, actives[0], table, P, M, "1f1b", link["bandwidth"], link["latency_s"])
+    ops = []
+    for k, op in enumerate(actives[0]):
+        cs = [table.ops[a[k].op_id] for a in actives]
+        ops.append(OpCost(op.node, sum(c.fwd for c in cs) / len(cs), sum(c.bwd for c in cs) / len(cs),
+                          round(sum(c.param_bytes for c in cs) / len(cs)), round(sum(c.optim_bytes for c in cs) / len(cs)),
+                          round(sum(c.act_bytes for c in cs) / len(cs))))
+    return PartitionProblem(tuple(ops), first.cut_bytes, P, M, "1f1b", link["bandwidth"], link["latency_s"])
+
+
+def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05,
+                block: int | None = None) -> tuple[list[SubnetWork], dict[str, int], dict[str, float]]:
+    """Each subnet's work under the dynamic planner's partitions, chained through the op owners
+    as the runtime does; with ``block``: one partition per ``block`` consecutive subnets (the
+    planner on the block's mean costs). Also each op's stage before the first subnet, and each
+    op's move seconds."""
+    graph, link = space.graph, space.link
+    planner = DynamicPlanner(eps, objective="step")
+    owners = initial_owners(graph.slots(), P)
+    origin = {op: s for op, s in owners.items() if op in space.stateful}
+    actives = [graph.active_ops(a) for a in archs]
+    work: list[SubnetWork] = []
+    before: frozenset | None = None
+    bounds: tuple[int, ...] | None = None
+    for k, active in enumerate(actives):
+        problem = subnet_problem(graph, active, space.table, P, M, "1f1b", link["bandwidth"], link["latency_s"])
+        if block is None:
+            bounds = planner.plan(problem, {op.op_id: owners[op.op_id] for op in active}, before).bounds
+        elif k % block == 0:
+            bounds = planner.plan(_block_problem(space, actives[k:k + block], P, M)).bounds
+        for mv in moves(active, bounds, owners):
+            owners[mv.op_id] = mv.dst
+        work.append(subnet_work(space, active, bounds, problem))
+        before = frozenset(op.op_id for op in active)
+    return work, origin, {op: space.move[op] for op in origin}
+
+
+# ------------------------------------------------------------------------------ the figures
+
+
+def _flush_1f1b(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int]) -> Schedule:
+    """Today's step: each subnet in 1F1B's literal order, then its update, one subnet after another."""
+    P, ref = len(work[0].uses), one_f_one_b(len(work[0].uses), M)
+    rows = tuple(tuple(a for t in range(len(work)) for a in (*(Action(s, b.kind, b.microbatch, t) for b in ref.actions[s]),
+                                                               Action(s, "U", 0, t)))
+                 for s in range(P))
+    return Schedule("flush_1f1b", P, M, rows, num_subnets=len(work), uses=tuple(w.uses for w in work),
+                    origin=tuple(sorted(origin.items())))
+
+
+def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: int, shared: frozenset[str],
+            origin: Mapping[str, int], state_time: Mapping[str, float], cap: int = 1) -> dict:
+    """Utilisation and makespan of the cross-subnet schedule of ``work``; ``cap``: the in-flight
+    cap per stage in multiples of 1F1B's ``P - s``."""
+    P = len(work[0].uses)
+    kw = dict(origin=origin, state_time=state_time, cap=[cap * (P - s) for s in range(P)],
+              frozen=shared if mode == "frozen" else frozenset(),
+              delayed=shared if mode == "delayed" else frozenset(), delay=delay if mode == "delayed" else 0)
+    sched = cross_subnet(work, M, window, **kw)
+    r = simulate(sched, work=work, state_time=state_time)
+    return {"utilisation": sum(r.busy) / (P * r.step_time), "makespan_s": r.step_time,
+            "update_share": sum(sum(w.update) for w in work) / sum(r.busy)}
+
+
+def flush_figures(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int],
+                  state_time: Mapping[str, float]) -> dict:
+    """The flushed baselines: ``cross_subnet`` with window 1, and 1F1B's literal order."""
+    base = figures(work, M, 1, "exact", 0, frozenset(), origin, state_time)
+    lit = simulate(_flush_1f1b(work, M, origin), work=work, state_time=state_time)
+    P = len(work[0].uses)
+    return {"flush_bound": base["utilisation"], "flush_makespan_s": base["makespan_s"],
+            "flush_1f1b_utilisation": sum(lit.busy) / (P * lit.step_time), "flush_1f1b_makespan_s": lit.step_time}
+
+
+def grid(P: int, M: int, mode: str, subnets: int) -> list[tuple[int, int]]:
+    """(window, delay) pairs to try, smallest first: a delay of D lets D + 1 subnets overlap at the
+    shared ops' stages, so the window is D + 1 there; exact and frozen rows try windows."""
+    if mode == "delayed":
+        return [(d + 1, d) for d in (1, 2, 3, 4, 6, 8, 12) if d + 1 <= subnets]
+    return [(w, 0) for w in (2, 4, 8, 16, NASPIPE_WINDOW) if w <= subnets]
+
+
+def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1) -> dict:
+    """The smallest (window, delay) of :func:`grid` meeting the row's target, else the best
+    (the grid is cut short where utilisation stops growing: twice no gain of 0.002, once for
+    exact shared ops, which flush at their stages whatever the window)."""
+    P = len(work[0].uses)
+    goal, tried, best, flat = target(P, M), [], None, 0
+    for window, delay in grid(P, M, mode, len(work)):
+        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap)
+        tried.append({"window": window, "delay": delay, "utilisation": round(f["utilisation"], 4)})
+        if f["utilisation"] >= goal:
+            return {"window": window, "delay": delay, **f, "choice": "smallest meeting the target", "grid": tried}
+        flat = flat + 1 if best is not None and f["utilisation"] < best[2]["utilisation"] + 0.002 else 0
+        if best is None or f["utilisation"] > best[2]["utilisation"] + 1e-9:
+            best = (window, delay, f)
+        if flat >= (1 if mode == "exact" else 2):
+            break
+    window, delay, f = best
+    return {"window": window, "delay": delay, **f, "choice": "best of the grid (target missed)", "grid": tried}
+
+
+def row(P: int, M: int, sampler: str, mode: str, picked: dict, flush: dict, subnets: int, seed: int,
+        bench: str = "cross_subnet", cap: int = 1, eps: float = 0.05) -> dict:
+    return {"bench": bench, "mode": "simulated", "P": P, "M": M, "window": picked["window"], "sampler": sampler,
+            "shared_ops": mode, "delay": picked["delay"], "utilisation": picked["utilisation"],
+            "cap": f"{cap}x 1F1B (P - s)", "eps": eps,
+            "flush_bound": flush["flush_bound"],
+            "over_flush": flush["flush_makespan_s"] / picked["makespan_s"],
+            "flush_1f1b_utilisation": flush["flush_1f1b_utilisation"],
+            "over_flush_1f1b": flush["flush_1f1b_makespan_s"] / picked["makespan_s"],
+            "target_utilisation": target(P, M), "target_met": picked["utilisation"] >= target(P, M),
+            "choice": picked.get("choice"), "grid": picked.get("grid"), "update_share": picked["update_share"],
+            "subnets": subnets, "seed": seed, "space": "transformer naspipe 48x24", "costs": "analytic",
+            "width": SETTING["width"], "microbatch": SETTING["microbatch"], "link": SETTING["link"]}
+
+
+def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, seed: int,
+                   modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True) -> list[dict]:
+    """Every simulated row of one (P, M, sampler): one per shared-op mode (the runtime's planner
+    tolerance ``eps``, 1F1B's in-flight cap); NASPipe's rule (uniform); for fair/delayed, the
+    options (``cross_subnet_options``: the best balance, eps = 0, and twice 1F1B's cap, i.e.
+    twice its activation memory) and per-window against per-subnet partitions."""
+    s = make_sampler(sampler, space.graph.space(), seed)
+    archs = [s.next() for _ in range(subnets)]
+    work, origin, state_time = plan_stream(space, archs, P, M, eps)
+    shared = space.shared & space.stateful
+    flush = flush_figures(work, M, origin, state_time)
+    out = []
+    picked_delayed = None
+    for mode in modes:
+        picked = choose(work, M, mode, shared, origin, state_time)
+        out.append(row(P, M, sampler, mode, picked, flush, subnets, seed, eps=eps))
+        if mode == "delayed":
+            picked_delayed = picked
+    if sampler == "uniform":
+        f = figures(work, M, NASPIPE_WINDOW, "frozen", 0, shared, origin, state_time)
+        out.append(row(P, M, sampler, "frozen", {"window": NASPIPE_WINDOW, "delay": 0, **f,
+                                                  "choice": "NASPipe: first non-conflicting subnet of 30"},
+                       flush, subnets, seed, bench="naspipe_rule", eps=eps))
+    if sampler != "fair" or picked_delayed is None or not options:
+        return out
+    streams = {eps: (work, origin, state_time, flush)}
+    for e, cap in ((0.0, 1), (eps, 2), (0.0, 2)):
+        if e not in streams:
+            w = plan_stream(space, archs, P, M, e)
+            streams[e] = (*w, flush_figures(*w[:1], M, *w[1:]))
+        w, o, st, fl = streams[e]
+        picked = choose(w, M, "delayed", shared, o, st, cap)
+        out.append(row(P, M, sampler, "delayed", picked, fl, subnets, seed, bench="cross_subnet_options",
+                       cap=cap, eps=e))
+    # one partition per window of subnets, against one per subnet: same window, delay, cap, eps
+    win, d = picked_delayed["window"], picked_delayed["delay"]
+    bwork, borigin, bstate = plan_stream(space, archs, P, M, eps, block=win)
+    f = figures(bwork, M, win, "delayed", d, shared, borigin, bstate)
+    r = row(P, M, sampler, "delayed", {"window": win, "delay": d, **f, "choice": "per-window partition"},
+            flush_figures(bwork, M, borigin, bstate), subnets, seed, bench="per_window_partition", eps=eps)
+    r["per_subnet_utilisation"] = picked_delayed["utilisation"]
+    r["over_per_subnet"] = picked_delayed["makespan_s"] / f["makespan_s"]  # throughput, the same subnets
+    out.append(r)
+    return out
+
+
+def verdicts(rows: Sequence[dict]) -> list[dict]:
+    """The issue's simulated targets (fair sampler, delayed shared ops), met or missed, with the figure."""
+    out = []
+    for r in rows:
+        if r["bench"] not in ("cross_subnet", "cross_subnet_options") or r["sampler"] != "fair" \
+                or r["shared_ops"] != "delayed":
+            continue
+        how = {"window": r["window"], "delay": r["delay"], "cap": r["cap"], "eps": r["eps"], "from": r["bench"]}
+        out.append({"bench": "cross_subnet_verdict", "what": f"utilisation >= {r['target_utilisation']} at "
+                    f"P={r['P']}, M={r['M']}", "figure": r["utilisation"], "met": r["target_met"], **how})
+        if (r["P"], r["M"]) == (4, 4):
+            out.append({"bench": "cross_subnet_verdict", "what": "throughput >= 1.5x flushed 1F1B at P=4, M=4",
+                        "figure": r["over_flush"], "met": r["over_flush"] >= 1.5,
+                        "over_flush_1f1b": r["over_flush_1f1b"], **how})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["simulated"], default="simulated",
+                    help="simulated (NASPipe's space, analytic costs); real rows come from another function")
+    ap.add_argument("--subnets", type=int, default=192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--samplers", nargs="+", default=["uniform", "fair"], choices=["uniform", "fair"])
+    ap.add_argument("--shared-ops", nargs="+", default=list(SHARED_MODES), choices=list(SHARED_MODES))
+    ap.add_argument("--eps", type=float, default=0.05, help="the dynamic planner's tolerance (pipeline.eps)")
+    ap.add_argument("--no-options", action="store_true", help="skip the eps = 0 / 2x cap / per-window rows")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    space = build_space()
+    progress(f"cost table in {time.perf_counter() - t0:.1f} s; {len(space.stateful)} ops with state, "
+             f"shared {sorted(space.shared)}")
+    rows = []
+    for P in args.stages:
+        for M in args.microbatches:
+            for sampler in args.samplers:
+                t0 = time.perf_counter()
+                got = simulated_rows(space, P, M, sampler, args.subnets, args.seed, args.shared_ops, args.eps,
+                                     not args.no_options)
+                for r in got:
+                    r["loadavg"] = os.getloadavg()[0]
+                rows += got
+                progress(f"P={P} M={M} {sampler}: {time.perf_counter() - t0:.1f} s; " + ", ".join(
+                    f"{r['bench']}/{r['shared_ops']} w={r['window']} d={r['delay']} util {r['utilisation']:.3f} "
+                    f"(flush {r['flush_bound']:.3f}, x{r['over_flush']:.2f})" for r in got))
+    emit("cross_subnet", rows + verdicts(rows))
+
+
+if __name__ == "__main__":
+    main()
