@@ -42,11 +42,11 @@ moves after the update before):
   one per subnet, against the per-subnet partitions, same schedule settings.
 * ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
 
-Real rows (``mode = "real"``: gloo runs of the app, P = 2, M = 4, alternating rounds) are not
-made here: they belong to a function beside :func:`simulated_rows` that the runtime engineer
-adds with the executor, printing the same fields.
+Real rows (``--mode real``: gloo runs of the app on this machine, P = 2, M = 4, alternating
+rounds, the same fields) come from ``bench/cross_subnet_real.py``, which this script runs.
 
     python bench/cross_subnet.py [--subnets 192] [--seed 0] [--stages 4 8] [--microbatches 1 4]
+    flock /tmp/pipenas-bench.lock python bench/cross_subnet.py --mode real [--rounds 3] [--steps 200]
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench._spawn import emit, progress  # noqa: E402
 from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
@@ -323,8 +324,9 @@ def verdicts(rows: Sequence[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["simulated"], default="simulated",
-                    help="simulated (NASPipe's space, analytic costs); real rows come from another function")
+    ap.add_argument("--mode", choices=["simulated", "real"], default="simulated",
+                    help="simulated (NASPipe's space, analytic costs) or real (the app under torchrun on this "
+                         "machine: bench/cross_subnet_real.py, whose options follow)")
     ap.add_argument("--subnets", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
@@ -333,7 +335,14 @@ def main() -> None:
     ap.add_argument("--shared-ops", nargs="+", default=list(SHARED_MODES), choices=list(SHARED_MODES))
     ap.add_argument("--eps", type=float, default=0.05, help="the dynamic planner's tolerance (pipeline.eps)")
     ap.add_argument("--no-options", action="store_true", help="skip the eps = 0 / 2x cap / per-window rows")
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.mode == "real":
+        from cross_subnet_real import main as real
+
+        real(rest)
+        return
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     space = build_space()
