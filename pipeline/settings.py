@@ -14,7 +14,9 @@ PLANNERS = ("dynamic", "equal", "static", "oracle")
 class PipelineSettings:
     """How a run is pipelined.
 
-    ``stages``: pipeline depth; ``None`` means the world size (one stage per process).
+    ``stages``: pipeline depth S; ``None`` means the world size (one stage per process); a
+    divisor S of the world size N runs N / S replicas of an S-stage pipeline (a 2-D mesh,
+    :mod:`pipeline.replicas`); ``auto``: the mesh planner's pick (:mod:`pipeline.plan.mesh`).
     ``schedule``: ``gpipe`` or ``1f1b``. ``planner``: how each subnet is partitioned.
     ``eps``: the migration-aware planner's slack over the optimal slowest-stage time.
     ``objective``: the dynamic planner's choice: ``step`` weighs migration time against the
@@ -30,7 +32,7 @@ class PipelineSettings:
     every rank records (:mod:`pipeline.trace`); rank 0 writes them to ``trace.json``.
     """
 
-    stages: int | None = None
+    stages: int | str | None = None
     schedule: str = "1f1b"
     planner: str = "dynamic"
     eps: float = 0.05
@@ -57,8 +59,9 @@ class PipelineSettings:
         return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
 
     def __post_init__(self) -> None:
-        if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
-            raise ValueError(f"pipeline.stages: expected a positive integer or null, found {self.stages!r}")
+        if self.stages is not None and self.stages != "auto" and (
+                not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1):
+            raise ValueError(f"pipeline.stages: expected a positive integer, 'auto' or null, found {self.stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule: expected one of {list(SCHEDULES)}, found {self.schedule!r}")
         if self.planner not in PLANNERS:

@@ -1,0 +1,70 @@
+"""The mesh planner: how many pipeline stages S (and replicas R = N / S) for N processes.
+
+PipeDream's question, for a whole pipeline: splitting the supernet's average subnet over S
+stages gives a slowest stage of time ``t_S`` per micro-batch; each replica runs M / R
+micro-batches of the step through that pipeline (1F1B: ``(M/R + S - 1) * t_S``), and then
+every stage's gradients are reduced across the R replicas at the link's bandwidth. The
+reduction of the stage with the most parameter bytes ``b`` costs, in the exact mode
+(:mod:`pipeline.replicas`: a chain of R - 1 hops, then the last replica sends the sum to the
+R - 1 others), ``2 (R - 1) (latency + b / bandwidth)``; in a ring all-reduce
+``2 (R - 1) (latency + b / (R bandwidth))``. The pick maximises samples per second (the
+global batch over pipeline plus reduction), fewer stages on a tie. Pure: values in, values out.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .partition import PartitionProblem, solve
+
+__all__ = ["MeshOption", "mesh_options", "recommend", "reduce_seconds"]
+
+
+@dataclass(frozen=True)
+class MeshOption:
+    """One (S, R) for N = S x R processes and its predicted step."""
+
+    stages: int
+    replicas: int
+    pipeline_s: float  # one replica's pipeline, M / R micro-batches
+    reduce_s: float  # the gradient reduction after it
+    samples_per_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.pipeline_s + self.reduce_s
+
+
+def reduce_seconds(grad_bytes: float, replicas: int, bandwidth: float, latency: float, mode: str = "exact") -> float:
+    """The time to reduce ``grad_bytes`` over ``replicas`` (exact: chain and fan-out; ring: all-reduce)."""
+    if replicas <= 1:
+        return 0.0
+    per_hop = grad_bytes / bandwidth if mode == "exact" else grad_bytes / (replicas * bandwidth)
+    return 2 * (replicas - 1) * (latency + per_hop)
+
+
+def mesh_options(mean: PartitionProblem, world: int, microbatches: int, microbatch_size: int,
+                 bandwidth: float, latency: float, mode: str = "exact") -> list[MeshOption]:
+    """Every (S, R) with S x R = ``world``, R dividing ``microbatches`` and S at most the
+    number of ops of ``mean`` (the supernet's average subnet at one micro-batch; its
+    ``num_stages`` is ignored), by S."""
+    out = []
+    for s in range(1, world + 1):
+        r = world // s
+        if world % s or microbatches % r or s > len(mean.ops):
+            continue
+        problem = PartitionProblem(ops=mean.ops, cut_bytes=mean.cut_bytes, num_stages=s,
+                                   num_microbatches=microbatches // r, bandwidth=bandwidth, latency=latency)
+        part = solve(problem)
+        pipe = (microbatches // r + s - 1) * part.max_time
+        grad = max(sum(op.param_bytes for op in mean.ops[part.bounds[k]:part.bounds[k + 1]]) for k in range(s))
+        red = reduce_seconds(grad, r, bandwidth, latency, mode)
+        out.append(MeshOption(s, r, pipe, red, microbatches * microbatch_size / (pipe + red)))
+    return out
+
+
+def recommend(options: Sequence[MeshOption]) -> MeshOption:
+    """The option with the most samples per second (fewer stages on a tie)."""
+    if not options:
+        raise ValueError("pipeline.stages: no (stages, replicas) fits the world size and train.microbatches")
+    return max(options, key=lambda o: (round(o.samples_per_s, 9), -o.stages))
