@@ -44,7 +44,7 @@ from .memory_plan import MemoryModel
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
-from .replicas import Mesh, ReplicaReducer, new_group_per
+from .replicas import Mesh, MeshError, ReplicaReducer, new_group_per
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
 from .settings import DistEnv, PipelineSettings
 from .cross import CrossExecutor, Segment
@@ -139,6 +139,12 @@ class PipelineEngine:
         self.mesh = Mesh.of(env.rank, env.world_size, stages or env.world_size, microbatches)
         self.num_stages, self.replicas, self.stage_index = self.mesh.stages, self.mesh.replicas, self.mesh.stage
         self.local_microbatches = microbatches // self.replicas  # what this replica's schedule runs
+        if self.replicas > 1 and settings.shared_ops != "exact":
+            raise MeshError(f"pipeline.shared_ops: expected 'exact' with replicated stages ({self.replicas} replicas), "
+                            f"found {settings.shared_ops!r}; set pipeline.stages to the world size for {settings.shared_ops}")
+        if self.replicas > 1 and memory is not None and memory.virtual:
+            raise MeshError(f"memory.device_budget_bytes: expected null with replicated stages ({self.replicas} "
+                            "replicas): the tensor manager does not yet hold a replica's gradients until the reduction")
         if not dist.is_initialized():
             backend = settings.backend if settings.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
             if device.type == "cuda":

@@ -62,3 +62,14 @@ def test_replicated_stages_are_bit_identical_to_reference(stages: int, replicas:
         migrated += got["migrated"]
     if stages > 1:
         assert migrated > 0, f"no op migrated at (S, R)=({stages}, {replicas}): the test would not cover migration"
+
+
+def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_action() -> None:
+    sc = [Scenario("transformer", "1f1b", steps=4, extra={"stages": 2})]
+    _, procs, seconds = spawn(4, sc, timeout_s=150, env_extra={"PIPENAS_FAULT": "3:2:optimizer:raise"}, expect_ok=False)
+    assert all(p is not None for p in procs), "a rank hung"
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert "rank 3 (replica 1, stage 1) failed at step 2 during optimizer" in procs[3].stderr, procs[3].stderr[-2000:]
+    for r in (0, 1, 2):
+        assert "root cause: rank 3 failed at step 2 during optimizer" in procs[r].stderr, procs[r].stderr[-2000:]
+    assert seconds < 120
