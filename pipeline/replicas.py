@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .transport import Transport
+from .transport import PeerError, Transport
 
 __all__ = ["Mesh", "MeshError", "ReplicaReducer", "new_group_per"]
 
@@ -180,7 +180,14 @@ class ReplicaReducer:
         """Every replica's micro-batch losses, in global micro-batch order (on every rank)."""
         mine = torch.tensor(list(losses), dtype=torch.float64)
         out = [torch.empty_like(mine) for _ in range(self.mesh.replicas)]
-        dist.all_gather(out, mine, group=self.group)
+        peer = next(r for r in self.mesh.replica_ranks() if r != self.mesh.rank)
+        try:  # a lost replica is a peer's failure (its note names the root cause), never a hang
+            work = dist.all_gather(out, mine, group=self.group, async_op=True)
+            ok = work.wait(self.transport.timeout)
+        except Exception as e:
+            raise PeerError(peer, "gathering losses with", str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from e
+        if ok is False:
+            raise PeerError(peer, "gathering losses with", f"no answer within {self.transport.timeout.total_seconds():g} s")
         return tuple(v for t in out for v in t.tolist())
 
     def drop(self) -> None:
