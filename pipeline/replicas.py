@@ -25,6 +25,12 @@ record each batch-norm input of the step and replay the update on the running st
 receive, with the kernel the forward uses. Cost: R - 1 hops in sequence plus one fan-out, per
 update, of the stage's gradients; a replica's contributions are kept until then (M/R copies of
 the gradients of its stage's ops).
+
+**Fast mode** (``pipeline.reduce: fast``): every replica accumulates its own micro-batches and
+one all-reduce (per dtype) sums the replicas' partials in the backend's order. Not
+bit-identical to one process (float addition is regrouped: ``(g0 + g1) + (g2 + g3)`` and the
+ring's chunk order), but every replica receives the same bytes, so replicas never drift apart;
+batch-norm statistics still take the exact chain (small). One collective instead of R - 1 hops.
 """
 from __future__ import annotations
 
@@ -106,8 +112,9 @@ def new_group_per(mesh: Mesh, dim: str) -> dist.ProcessGroup:
 class ReplicaReducer:
     """The exact reduction of one stage's gradients (and batch-norm statistics) across replicas."""
 
-    def __init__(self, mesh: Mesh, transport: Transport, group: dist.ProcessGroup) -> None:
+    def __init__(self, mesh: Mesh, transport: Transport, group: dist.ProcessGroup, mode: str = "exact") -> None:
         self.mesh, self.transport, self.group = mesh, transport, group
+        self.fast = mode == "fast"  # gradients by one all-reduce (not bit-identical); see the module doc
         self.first = mesh.replica == 0
         self.recording = False  # training forwards and backwards only (not evaluation)
         self._contrib: dict[int, tuple[nn.Parameter, list[torch.Tensor]]] = {}
@@ -132,7 +139,7 @@ class ReplicaReducer:
         return lambda op: self.watch(module_of(op))
 
     def _take_grad(self, p: nn.Parameter) -> None:
-        if self.recording and p.grad is not None:
+        if self.recording and not self.fast and p.grad is not None:
             self._contrib.setdefault(id(p), (p, []))[1].append(p.grad)
             p.grad = None  # the next micro-batch's backward starts from None: its contribution alone
 
@@ -148,6 +155,13 @@ class ReplicaReducer:
         t0 = time.perf_counter()
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
         bns = [b for m in modules for b in m.modules() if isinstance(b, _BatchNorm) and b.track_running_stats]
+        if self.fast:  # every replica accumulated its own micro-batches; the chain carries the statistics only
+            for p, g in zip(params, self._all_reduce(params)):
+                p.grad = g
+            params = []
+            if not bns:
+                self.reduce_s += time.perf_counter() - t0
+                return
         k, last, tr = self.mesh.replica, self.mesh.replicas - 1, self.transport
         if self.first:
             grads = [p.grad for p in params]
@@ -175,6 +189,29 @@ class ReplicaReducer:
         for p, g in zip(params, grads):
             p.grad = g
         self.reduce_s += time.perf_counter() - t0
+
+    def _all_reduce(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The sum of every replica's accumulated gradients (``None`` where no replica has one):
+        one all-reduce per dtype, in the backend's own order."""
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.transport.device)
+        dist.all_reduce(present, group=self.group)
+        flats: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            flats.setdefault(p.dtype, []).append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+        summed = {}
+        for dt, parts in flats.items():
+            flat = torch.cat(parts)
+            dist.all_reduce(flat, group=self.group)
+            summed[dt] = iter(flat.split([t.numel() for t in parts]))
+        return self._unflatten(params, present.tolist(), summed)
+
+    @staticmethod
+    def _unflatten(params: Sequence[nn.Parameter], present: Sequence[int], summed: dict) -> list[torch.Tensor | None]:
+        out = []
+        for p, n in zip(params, present):
+            g = next(summed[p.dtype])
+            out.append(g.view_as(p).clone() if n else None)
+        return out
 
     def gather_losses(self, losses: Sequence[float]) -> tuple[float, ...]:
         """Every replica's micro-batch losses, in global micro-batch order (on every rank)."""

@@ -171,7 +171,7 @@ class PipelineEngine:
                      if self.num_stages > 1 else None)
             rgroup = new_group_per(mesh, "replica")
             self.reducer = ReplicaReducer(mesh, Transport(mesh.replica, self.device, timeout, group=rgroup,
-                                                          peers=mesh.replica_ranks()), rgroup)
+                                                          peers=mesh.replica_ranks()), rgroup, settings.reduce)
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, self.local_microbatches)
         validate(self.schedule)

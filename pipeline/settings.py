@@ -30,6 +30,9 @@ class PipelineSettings:
     what crosses a cut. ``memory_budget_bytes``: per-stage limit on weights, optimizer state and
     in-flight activations (``null``: no limit). ``trace_steps``: training steps whose timeline
     every rank records (:mod:`pipeline.trace`); rank 0 writes them to ``trace.json``.
+    ``reduce``: how replicated stages sum gradients: ``exact`` (the default, bit-identical to one
+    process: a fold in micro-batch order along the replicas) or ``fast`` (one all-reduce, not
+    bit-identical; :mod:`pipeline.replicas`).
     """
 
     stages: int | str | None = None
@@ -48,6 +51,7 @@ class PipelineSettings:
     window: int = 1
     shared_ops: str = "exact"
     shared_delay: int = 1
+    reduce: str = "exact"
 
     @property
     def cross(self) -> bool:
@@ -92,6 +96,8 @@ class PipelineSettings:
                 raise ValueError(f"pipeline.{name}: expected an integer >= {lo}, found {v!r}")
         if self.shared_ops not in ("exact", "delayed", "frozen"):
             raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
+        if self.reduce not in ("exact", "fast"):
+            raise ValueError(f"pipeline.reduce: expected 'exact' or 'fast', found {self.reduce!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
 
