@@ -44,3 +44,13 @@ def test_options_and_reduction_model() -> None:
     assert reduce_seconds(1e9, 4, 1e9, 0.0, mode="ring") == pytest.approx(1.5)
     with pytest.raises(ValueError, match="pipeline.stages"):
         recommend([])
+
+
+def test_settings_accept_auto_and_name_bad_fields() -> None:
+    from pipeline import PipelineSettings
+
+    assert PipelineSettings(stages="auto").stages == "auto"
+    with pytest.raises(ValueError, match=r"^pipeline\.stages: expected a positive integer, 'auto' or null"):
+        PipelineSettings(stages="deep")
+    with pytest.raises(ValueError, match=r"^pipeline\.reduce: expected 'exact' or 'fast'"):
+        PipelineSettings(reduce="ring")
