@@ -1,10 +1,12 @@
 """The mesh planner: how many pipeline stages S (and replicas R = N / S) for N processes.
 
-PipeDream's question, for a whole pipeline: splitting the supernet's average subnet over S
-stages gives a slowest stage of time ``t_S`` per micro-batch; each replica runs M / R
-micro-batches of the step through that pipeline (1F1B: ``(M/R + S - 1) * t_S``), and then
-every stage's gradients are reduced across the R replicas at the link's bandwidth. The
-reduction of the stage with the most parameter bytes ``b`` costs, in the exact mode
+PipeDream's question, for a whole pipeline: the supernet's average subnet is split over S
+stages (the partitioner's min-max split); each replica runs M / R micro-batches of the step
+through that pipeline, simulated by :func:`pipeline.plan.simulate.simulate` (1F1B, per-stage
+forward and backward sums, sends at the link's latency and bandwidth), and each stage's
+gradients are reduced across the R replicas once that stage's last backward has run (stages
+reduce independently, so a stage's reduction overlaps the backwards still running on the stages
+before it). The step ends when the last stage's reduction does. Reducing ``b`` bytes costs, in the exact mode
 (:mod:`pipeline.replicas`: a chain of R - 1 hops, then the last replica sends the sum to the
 R - 1 others), ``2 (R - 1) (latency + b / bandwidth)``; in a ring all-reduce
 ``2 (R - 1) (latency + b / (R bandwidth))``. The pick maximises samples per second (the
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .partition import PartitionProblem, solve
+from .schedule import build as build_schedule
+from .simulate import simulate
 
 __all__ = ["MeshOption", "mesh_options", "recommend", "reduce_seconds"]
 
@@ -26,8 +30,8 @@ class MeshOption:
 
     stages: int
     replicas: int
-    pipeline_s: float  # one replica's pipeline, M / R micro-batches
-    reduce_s: float  # the gradient reduction after it
+    pipeline_s: float  # one replica's pipeline, M / R micro-batches (simulated)
+    reduce_s: float  # what the gradient reductions add after it
     samples_per_s: float
 
     @property
@@ -55,11 +59,16 @@ def mesh_options(mean: PartitionProblem, world: int, microbatches: int, microbat
             continue
         problem = PartitionProblem(ops=mean.ops, cut_bytes=mean.cut_bytes, num_stages=s,
                                    num_microbatches=microbatches // r, bandwidth=bandwidth, latency=latency)
-        part = solve(problem)
-        pipe = (microbatches // r + s - 1) * part.max_time
-        grad = max(sum(op.param_bytes for op in mean.ops[part.bounds[k]:part.bounds[k + 1]]) for k in range(s))
-        red = reduce_seconds(grad, r, bandwidth, latency, mode)
-        out.append(MeshOption(s, r, pipe, red, microbatches * microbatch_size / (pipe + red)))
+        b = solve(problem).bounds
+        stage_ops = [mean.ops[b[k]:b[k + 1]] for k in range(s)]
+        sends = [latency + mean.cut_bytes[b[k + 1]] / bandwidth for k in range(s - 1)]
+        sim = simulate(build_schedule("1f1b", s, microbatches // r), [sum(o.fwd for o in ops) for ops in stage_ops],
+                       [sum(o.bwd for o in ops) for ops in stage_ops], sends, sends)
+        ends = [max(sp.end for sp in row) for row in sim.timeline]
+        reduce = [reduce_seconds(sum(o.param_bytes for o in ops), r, bandwidth, latency, mode) for ops in stage_ops]
+        step = max(e + red for e, red in zip(ends, reduce))
+        pipe = max(ends)
+        out.append(MeshOption(s, r, pipe, step - pipe, microbatches * microbatch_size / step))
     return out
 
 
