@@ -13,7 +13,10 @@ engine ties four parts together, one concern each:
   checked a step ahead for plans made ahead (no round trip on the critical path).
 
 Gradients accumulate in ascending micro-batch order on every stage, exactly as in the
-reference, so the result is bit-identical. Every phase runs under
+reference, so the result is bit-identical. With ``pipeline.stages`` S below the world size N,
+R = N / S replicas of the pipeline each run their share of the micro-batches, on channels of
+their own, and :class:`pipeline.replicas.ReplicaReducer` folds each stage's gradients across
+the replicas, in micro-batch order, before every update. Every phase runs under
 :class:`pipeline.failures.FailureReporter` (rank, step and action of any failure) and every wait
 has a timeout: no hang.
 """
