@@ -1,7 +1,7 @@
 """The pipeline engine: schedules, partitions, transport, migration and the stage runtime.
 
 ``create_engine`` is the entry point: the single-process reference engine outside torchrun,
-the pipelined engine (one process per stage) under it.
+the pipelined engine under it (one process per stage, or R replicas of an S-stage pipeline).
 """
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ __all__ = [
 def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                   settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None,
                   failure_dir: str | None = None, memory: MemorySettings | None = None,
-                  trace_steps: Iterable[int] = (), checkpoint_every: int = 0) -> Engine:
+                  trace_steps: Iterable[int] = (), checkpoint_every: int = 0,
+                  sample_shape: tuple[int, ...] | None = None, batch_size: int | None = None) -> Engine:
     """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
     RANK/WORLD_SIZE is set), else one pipeline stage per rank. ``failure_dir`` (the run
     directory's ``failures/``) is where a failing rank leaves the note its peers quote.
     ``memory``: the tensor manager's device budget (per process: per stage under torchrun).
     ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them).
+    ``sample_shape`` and ``batch_size``: what ``pipeline.stages: auto`` plans the mesh for.
     ``checkpoint_every``: where the run's checkpoint boundaries fall (delayed shared ops read no
     version from before the last one, so a resumed run computes what an uninterrupted one does)."""
     env = env if env is not None else dist_env()
@@ -45,4 +47,5 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
     from .runtime import PipelineEngine
 
     return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
-                          trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every)
+                          trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every,
+                          sample_shape=sample_shape, batch_size=batch_size)

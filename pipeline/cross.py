@@ -72,8 +72,11 @@ class CrossRun:
 class CrossExecutor:
     def __init__(self, rank: int, graph: SupernetGraph, tensors, shared: SharedOps, transport: Transport,
                  state_transport: Transport, failures: FailureReporter, tracer: Tracer, device: torch.device,
-                 seed: int) -> None:
+                 seed: int, reducer=None, offset: int = 0) -> None:
         self.rank, self.graph, self.tensors, self.shared = rank, graph, tensors, shared
+        # replicated stages (pipeline/replicas.py): ``reducer`` folds the replicas' gradients at
+        # each U action; ``offset`` is the global index of this replica's first micro-batch
+        self.reducer, self.offset = reducer, offset
         self.transport, self.state_transport = transport, state_transport
         self.failures, self.tracer, self.device, self.seed = failures, tracer, device, seed
         self._specs = {slot.op_id: slot.spec for slot in graph.slots()}
@@ -83,7 +86,8 @@ class CrossExecutor:
         """The module subnet ``step`` runs for ``op``: this rank's (or a shared op's version);
         an op without state runs from a local instance wherever it is (nothing to move)."""
         if self.tensors.owns(op):
-            return self.shared.module(op, step)
+            m = self.shared.module(op, step)
+            return self.reducer.watch(m) if self.reducer is not None else m
         m = self._stateless.get(op)
         if m is None:
             m = self._stateless[op] = build_op(self._specs[op], op, self.seed).to(self.device)
@@ -92,6 +96,15 @@ class CrossExecutor:
     def run(self, seg: Segment) -> tuple[list[tuple[float, ...]], CrossRun]:
         """Run this rank's actions of ``seg``; returns every subnet's micro-batch losses (on
         every rank) and this stage's figures."""
+        if self.reducer is None:
+            return self._run(seg)
+        self.reducer.recording = True
+        try:
+            return self._run(seg)
+        finally:
+            self.reducer.recording = False
+
+    def _run(self, seg: Segment) -> tuple[list[tuple[float, ...]], CrossRun]:
         sch, me = seg.schedule, self.rank
         rule, P, M = sch.rule, sch.num_stages, sch.num_microbatches
         last = P - 1
@@ -189,7 +202,7 @@ class CrossExecutor:
                         for op in sorted(sch.uses[t][me]):
                             self.shared.begin(op, step)
                     run = SliceRun(plan.slices[me], lambda op, step=step: self._module(op, step),
-                                   op_contexts(self.seed, step, m, True), policies[t])
+                                   op_contexts(self.seed, step, m + self.offset, True), policies[t])
                     outs = run.forward([seg.batches[t][m][0]] if me == 0 else inputs)
                     runs[(t, m)] = run
                     stats.max_in_flight = max(stats.max_in_flight, len(runs))
@@ -209,8 +222,8 @@ class CrossExecutor:
                     emit(a, grads if me > 0 else None, None)
                 else:
                     emit(a, None, losses[t], kinds=("losses",))  # (last stage) every update needs them
-                    values[t] = tuple(losses[t].tolist())
-                    stats.updated[t] = self._update(sch.uses[t][me], step, seg.lrs[t], values[t])
+                    stats.updated[t] = self._update(sch.uses[t][me], step, seg.lrs[t], tuple(losses[t].tolist()))
+                    values[t] = self.last_losses  # every replica's (with replicas), in micro-batch order
                     stats.update_s += time.perf_counter() - a0
                     emit(a, None, None, kinds=("state",))  # then the ops the next user needs elsewhere leave
         with self.failures.failing(seg.steps[-1], "flush"):
@@ -225,7 +238,12 @@ class CrossExecutor:
         for op in ops:
             self.shared.before_update(op, step)
         stepped = [op for op in ops if op not in self.shared.frozen]
+        if self.reducer is not None:  # every replica's losses and the fold of all M micro-batches' gradients
+            with self.tracer.span(step, "reduce", "reduce"):
+                mb_losses = self.reducer.gather_losses(mb_losses)
+                self.reducer.reduce([self.tensors.module(op) for op in stepped])
         ok = all(math.isfinite(v) for v in mb_losses)
+        self.last_losses = tuple(mb_losses)
         if ok:
             self.tensors.step(stepped, lr)
         else:

@@ -55,6 +55,6 @@ def evaluate_stage(mine: Slice, rank: int, num_stages: int, seed: int, module: C
         stream(calib, True, None)
         stream(batches, False, score)
     with failures.failing(-1, "result"):
-        dist.broadcast(totals, src=last)
+        dist.broadcast(totals, src=transport.global_rank(last), group=transport.group)  # within this replica
     loss_sum, correct, total = totals.cpu().tolist()
     return EvalResult(loss_sum / max(total, 1), int(correct), int(total))

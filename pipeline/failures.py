@@ -37,8 +37,10 @@ class StageFailure(RuntimeError):
 
 
 class FailureReporter:
-    def __init__(self, rank: int, schedule: Schedule, failure_dir: Path | None, fault: Fault | None = None) -> None:
+    def __init__(self, rank: int, schedule: Schedule, failure_dir: Path | None, fault: Fault | None = None,
+                 where: str | None = None) -> None:
         self.rank = rank
+        self.where = where if where is not None else f"stage {rank}"  # "replica k, stage s" on a mesh
         self.schedule = schedule
         self.failure_dir = failure_dir
         self.fault = fault
@@ -60,7 +62,7 @@ class FailureReporter:
 
     def _failure(self, step: int, action: Action | str, e: Exception, mark: Action | None = None) -> StageFailure:
         self.failed = True
-        where = f"rank {self.rank} (stage {self.rank}) failed at step {step} during {action}"
+        where = f"rank {self.rank} ({self.where}) failed at step {step} during {action}"
         cause = f"{type(e).__name__}: {e}"
         if isinstance(e, PeerError):
             root = self._root_cause()

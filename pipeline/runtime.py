@@ -13,7 +13,10 @@ engine ties four parts together, one concern each:
   checked a step ahead for plans made ahead (no round trip on the critical path).
 
 Gradients accumulate in ascending micro-batch order on every stage, exactly as in the
-reference, so the result is bit-identical. Every phase runs under
+reference, so the result is bit-identical. With ``pipeline.stages`` S below the world size N,
+R = N / S replicas of the pipeline each run their share of the micro-batches, on channels of
+their own, and :class:`pipeline.replicas.ReplicaReducer` folds each stage's gradients across
+the replicas, in micro-batch order, before every update. Every phase runs under
 :class:`pipeline.failures.FailureReporter` (rank, step and action of any failure) and every wait
 has a timeout: no hang.
 """
@@ -44,6 +47,7 @@ from .memory_plan import MemoryModel
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
+from .replicas import Mesh, MeshError, ReplicaReducer, new_group_per
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
 from .settings import DistEnv, PipelineSettings
 from .cross import CrossExecutor, Segment
@@ -97,21 +101,53 @@ def overlapped(row: Sequence) -> int:
     return sum(1 for (k, m, t), i in pos.items() if k == "F" and m == 0 and t > 0 and i < pos[("U", 0, t - 1)])
 
 
+def _take(mbs: list, share: range) -> list:
+    return [mbs[m] for m in share]
+
+
+def auto_stages(graph: SupernetGraph, world_size: int, microbatches: int, settings: PipelineSettings,
+                optimizer: str, sample_shape: Sequence[int] | None, batch_size: int | None) -> int:
+    """``pipeline.stages: auto``: the mesh planner's S for this world (pipeline/plan/mesh.py),
+    from an analytic cost table of the supernet's average subnet (the same on every rank)."""
+    from .plan.costs import analytic_costs, mean_problem
+    from .plan.mesh import mesh_options, recommend
+
+    if sample_shape is None or batch_size is None:
+        raise ValueError("pipeline.stages: 'auto' needs the sample shape and batch size (create_engine's "
+                         "sample_shape and batch_size); give a number of stages instead")
+    mb = batch_size // microbatches
+    table = analytic_costs(graph, tuple(sample_shape), mb, optimizer)
+    mean = mean_problem(graph, table, num_stages=1, num_microbatches=microbatches)
+    best = recommend(mesh_options(mean, world_size, microbatches, mb, settings.link_bandwidth, settings.link_latency_s))
+    log.info("pipeline.stages=auto: %d stages x %d replicas (predicted %.1f samples/s)", best.stages,
+             best.replicas, best.samples_per_s)
+    return best.stages
+
+
 class PipelineEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                  settings: PipelineSettings, env: DistEnv, device: torch.device,
                  failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None,
                  trace_steps: Iterable[int] = (), memory: MemorySettings | None = None,
-                 checkpoint_every: int = 0) -> None:
+                 checkpoint_every: int = 0, sample_shape: Sequence[int] | None = None,
+                 batch_size: int | None = None) -> None:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
-        self.num_stages = settings.stages or env.world_size
-        if self.num_stages != env.world_size:
-            raise ValueError(
-                f"pipeline.stages: expected the world size {env.world_size} (one process per stage), "
-                f"found {self.num_stages}"
-            )
+        stages = settings.stages
+        if stages == "auto":
+            stages = auto_stages(graph, env.world_size, microbatches, settings, optim.name, sample_shape, batch_size)
+        # the 2-D mesh: R replicas of an S-stage pipeline (pipeline/replicas.py); R = 1: one
+        # process per stage, exactly as without replicas
+        self.mesh = Mesh.of(env.rank, env.world_size, stages or env.world_size, microbatches)
+        self.num_stages, self.replicas, self.stage_index = self.mesh.stages, self.mesh.replicas, self.mesh.stage
+        self.local_microbatches = microbatches // self.replicas  # what this replica's schedule runs
+        if self.replicas > 1 and settings.shared_ops != "exact":
+            raise MeshError(f"pipeline.shared_ops: expected 'exact' with replicated stages ({self.replicas} replicas), "
+                            f"found {settings.shared_ops!r}; set pipeline.stages to the world size for {settings.shared_ops}")
+        if self.replicas > 1 and memory is not None and memory.virtual:
+            raise MeshError(f"memory.device_budget_bytes: expected null with replicated stages ({self.replicas} "
+                            "replicas): the tensor manager does not yet hold a replica's gradients until the reduction")
         if not dist.is_initialized():
             backend = settings.backend if settings.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
             if device.type == "cuda":
@@ -121,37 +157,52 @@ class PipelineEngine:
                                     timeout=datetime.timedelta(seconds=settings.timeout_s))
         timeout = settings.timeout_s
         many = env.world_size > 1
+        me, mesh = self.stage_index, self.mesh
         # Separate groups are separate channels: migration, gathers and evaluation (default
-        # group), the schedule's payload-only messages, moves ahead, and the agreement check.
-        self.transport = Transport(self.rank, self.device, timeout)
-        self._schedule_transport = Transport(self.rank, self.device, timeout, group=dist.new_group()) if many else self.transport
-        early = Transport(self.rank, self.device, timeout, group=dist.new_group()) if many else None
+        # group; with replicas, one per replica), the schedule's payload-only messages, moves
+        # ahead, and the agreement check (all ranks: every replica plans alike too).
+        if self.replicas == 1:
+            self.transport = Transport(me, self.device, timeout)
+            self._schedule_transport = Transport(me, self.device, timeout, group=dist.new_group()) if many else self.transport
+            early = Transport(me, self.device, timeout, group=dist.new_group()) if many else None
+            self.reducer: ReplicaReducer | None = None
+        else:
+            peers = mesh.stage_ranks()
+            self.transport = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
+            self._schedule_transport = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
+            early = (Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
+                     if self.num_stages > 1 else None)
+            rgroup = new_group_per(mesh, "replica")
+            self.reducer = ReplicaReducer(mesh, Transport(mesh.replica, self.device, timeout, group=rgroup,
+                                                          peers=mesh.replica_ranks()), rgroup, settings.reduce)
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
-        self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, microbatches)
+        self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, self.local_microbatches)
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)
         # ``memory``: with a device budget this stage's ops live in host memory behind a bounded
         # device arena, fetched ahead from the plans of the coming steps (pipeline/tensors.py)
         self.tensors = TensorManager(graph, seed, optim, self.device,
-                                     own=[op for op, s in self.owners.items() if s == self.rank], memory=memory)
+                                     own=[op for op, s in self.owners.items() if s == me], memory=memory)
         self.stats = StepStats()
         fd = failure_dir if failure_dir is not None else os.environ.get("PIPENAS_FAILURE_DIR")
         self.failures = FailureReporter(self.rank, self.schedule, Path(fd) if fd else None,
-                                        parse_fault(os.environ.get("PIPENAS_FAULT")))
+                                        parse_fault(os.environ.get("PIPENAS_FAULT")),
+                                        where=f"replica {mesh.replica}, stage {me}" if self.replicas > 1 else None)
         self.tracer = Tracer(self.rank, trace_steps)
-        self.planner = LookaheadPlanner(graph, seed, self.num_stages, microbatches, settings, costs,
+        self.planner = LookaheadPlanner(graph, seed, self.num_stages, self.local_microbatches, settings, costs,
                                         can_move_early=early is not None, optim_name=optim.name,
                                         memory=self._memory_model(), schedule=self.schedule)
-        self.migrator = Migrator(self.rank, self.owners, self.tensors, self.transport, early)
-        self.stage = StageExecutor(self.rank, self.schedule, self._schedule_transport, self.failures, self.tracer,
-                                   self.device, seed)
+        self.migrator = Migrator(me, self.owners, self.tensors, self.transport, early)
+        offset = self.mesh.microbatches(microbatches).start  # this replica's first micro-batch
+        self.stage = StageExecutor(me, self.schedule, self._schedule_transport, self.failures, self.tracer,
+                                   self.device, seed, offset=offset)
         self._last_arch: Arch | None = None  # the subnet of the last training step
         # several subnets in flight, or shared ops read late or frozen: cross-subnet schedules
         self.shared = SharedOps(settings.shared_ops, settings.shared_delay, shared_ops_of(graph), checkpoint_every,
                                 self.tensors.module)
-        self.cross = CrossExecutor(self.rank, graph, self.tensors, self.shared, self._schedule_transport,
+        self.cross = CrossExecutor(me, graph, self.tensors, self.shared, self._schedule_transport,
                                    early if early is not None else self.transport, self.failures, self.tracer,
-                                   self.device, seed) if settings.cross else None
+                                   self.device, seed, reducer=self.reducer, offset=offset) if settings.cross else None
         self.checkpoint_every = checkpoint_every
         self._segment_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-segment")
         self._ahead: Future | None = None  # the next segment's plans and schedule, being made
@@ -162,8 +213,8 @@ class PipelineEngine:
         if not self.tensors.virtual:
             return MemoryModel(self.tensors.memory)
         with self.failures.failing(-1, "plan"):
-            arenas: list = [None] * self.world_size
-            dist.all_gather_object(arenas, self.tensors.stats().budget_bytes)
+            arenas: list = [None] * self.num_stages  # this replica's stages (every replica alike)
+            dist.all_gather_object(arenas, self.tensors.stats().budget_bytes, group=self.transport.group)
         footprint = self.tensors.footprints(slot.op_id for slot in self.graph.slots())
         return MemoryModel(self.tensors.memory, tuple(int(b) for b in arenas), footprint)
 
@@ -212,13 +263,13 @@ class PipelineEngine:
         and the moves that can go now, plan the subnets after it, and tell the tensor manager
         which of this stage's ops the step and the next one use."""
         upcoming = self.planner.upcoming
-        mine = [frozenset(op.op_id for op in current.slices[self.rank].ops)]
+        mine = [frozenset(op.op_id for op in current.slices[self.stage_index].ops)]
         if upcoming and self.migrator.early_transport is not None:
             nxt = self.planner.planned(upcoming[0], self.owners, current.arch)
             self.planner.committed = nxt
             self.agreement.post(nxt)
             self.migrator.start_ahead(nxt.active, nxt.partition.bounds, (op.op_id for op in current.active))
-            mine.append(frozenset(op.op_id for op in nxt.slices[self.rank].ops))
+            mine.append(frozenset(op.op_id for op in nxt.slices[self.stage_index].ops))
         self.tensors.prefetch(mine)  # ops this rank does not own (yet) are ignored
         self.tensors.ensure(mine[0])
         self.planner.start_ahead(self.owners, self._last_arch)
@@ -228,6 +279,7 @@ class PipelineEngine:
         t0 = time.perf_counter()
         batch = x.shape[0]
         mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
+        mbs = [mbs[m] for m in self.mesh.microbatches(self.microbatches)]  # this replica's share
         with self.failures.failing(step, "plan"):
             checked = self.agreement.read()  # before the moves made ahead settle
         with self.failures.failing(step, "migrate-ahead"), self.tracer.span(step, "settle moves", "migrate-ahead"):
@@ -240,12 +292,23 @@ class PipelineEngine:
             self._last_arch = arch
             self.stats.early_migrated_ops = early
             self._prepare_next(plan)
-        mine = plan.slices[self.rank]
-        policy = activation_policy(plan.activations[self.rank] if plan.activations else None)
-        losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, self.tensors.module, policy)
+        mine = plan.slices[self.stage_index]
+        policy = activation_policy(plan.activations[self.stage_index] if plan.activations else None)
+        module = self.tensors.module if self.reducer is None else self.reducer.watching(self.tensors.module)
+        if self.reducer is not None:
+            self.reducer.recording = True
+        try:
+            losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, module, policy)
+        finally:
+            if self.reducer is not None:
+                self.reducer.recording = False
         mb_losses = tuple(losses.tolist())  # the step's one host read, after its last action
         with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
             a0 = time.perf_counter()
+            if self.reducer is not None:  # every replica's losses, then the gradients of all M micro-batches
+                with self.tracer.span(step, "reduce", "reduce"):
+                    mb_losses = self.reducer.gather_losses(mb_losses)
+                    self.reducer.reduce([self.tensors.module(op.op_id) for op in mine.ops])
             update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses)
             memory = self.tensors.release_step()
             opt_s = time.perf_counter() - a0
@@ -293,7 +356,7 @@ class PipelineEngine:
             prior = arch
         used = set().union(*(u for p in plans for u in p.work.uses))
         schedule = validate(cross_subnet(
-            [p.work for p in plans], M, self.settings.window, frozen=self.shared.frozen & used,
+            [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
             delayed=self.shared.delayed & used, delay=self.settings.shared_delay,
             origin={op: key[1][op] for op in used}, state_time=self.planner.move_seconds()))
         return _Prepared(key, tuple(plans), schedule, owners)
@@ -320,8 +383,9 @@ class PipelineEngine:
         self.stats.plan_s = time.perf_counter() - t0
         self.failures.schedule = schedule
         dev = self.device
+        share = self.mesh.microbatches(M)  # this replica's micro-batches
         seg = Segment(steps, tuple(plans), schedule,
-                      tuple(split_batch(x.to(dev), y.to(dev), M) for _, _, x, y in items),
+                      tuple(_take(split_batch(x.to(dev), y.to(dev), M), share) for _, _, x, y in items),
                       tuple(int(it[2].shape[0]) for it in items), tuple(self.lr(s) for s in steps))
         values, run = self.cross.run(seg)
         self.owners.update(prep.owners)  # where each op with state is now (every rank alike)
@@ -333,7 +397,7 @@ class PipelineEngine:
         st = self.stats
         st.wall_s, st.busy_s, st.wait_s, st.max_in_flight = wall, run.busy_s + run.update_s, run.wait_s, run.max_in_flight
         st.bounds = plans[-1].partition.bounds
-        st.overlapped += overlapped(schedule.actions[self.rank])
+        st.overlapped += overlapped(schedule.actions[self.stage_index])
         return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t])
                 for t, (step, arch, v) in enumerate(zip(steps, archs, values))]
 
@@ -372,10 +436,10 @@ class PipelineEngine:
             plan = self._take_plan(-1, arch, checked)
         with self.failures.failing(-1, "migrate"):
             self._migrate(-1, plan)
-        mine = plan.slices[self.rank]
+        mine = plan.slices[self.stage_index]
         self.tensors.ensure([op.op_id for op in mine.ops])
-        try:
-            return evaluate_stage(mine, self.rank, self.num_stages, self.seed, self.tensors.module,
+        try:  # every replica evaluates alike (same batches): the same result on every rank
+            return evaluate_stage(mine, self.stage_index, self.num_stages, self.seed, self.tensors.module,
                                   self.transport, self.failures, batches, calib, self.device)
         finally:
             self.tensors.release_step(advance=False)
@@ -385,6 +449,8 @@ class PipelineEngine:
         """Gather every op's flat state on rank 0 (collective)."""
         with self.failures.failing(-1, "gather"):
             self.migrator.settle()
+            if self.mesh.replica != 0:  # every replica holds the same bytes: replica 0's pipeline gathers
+                return None
             return self.migrator.gather()
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

@@ -14,7 +14,9 @@ PLANNERS = ("dynamic", "equal", "static", "oracle")
 class PipelineSettings:
     """How a run is pipelined.
 
-    ``stages``: pipeline depth; ``None`` means the world size (one stage per process).
+    ``stages``: pipeline depth S; ``None`` means the world size (one stage per process); a
+    divisor S of the world size N runs N / S replicas of an S-stage pipeline (a 2-D mesh,
+    :mod:`pipeline.replicas`); ``auto``: the mesh planner's pick (:mod:`pipeline.plan.mesh`).
     ``schedule``: ``gpipe`` or ``1f1b``. ``planner``: how each subnet is partitioned.
     ``eps``: the migration-aware planner's slack over the optimal slowest-stage time.
     ``objective``: the dynamic planner's choice: ``step`` weighs migration time against the
@@ -28,9 +30,12 @@ class PipelineSettings:
     what crosses a cut. ``memory_budget_bytes``: per-stage limit on weights, optimizer state and
     in-flight activations (``null``: no limit). ``trace_steps``: training steps whose timeline
     every rank records (:mod:`pipeline.trace`); rank 0 writes them to ``trace.json``.
+    ``reduce``: how replicated stages sum gradients: ``exact`` (the default, bit-identical to one
+    process: a fold in micro-batch order along the replicas) or ``fast`` (one all-reduce, not
+    bit-identical; :mod:`pipeline.replicas`).
     """
 
-    stages: int | None = None
+    stages: int | str | None = None
     schedule: str = "1f1b"
     planner: str = "dynamic"
     eps: float = 0.05
@@ -46,6 +51,7 @@ class PipelineSettings:
     window: int = 1
     shared_ops: str = "exact"
     shared_delay: int = 1
+    reduce: str = "exact"
 
     @property
     def cross(self) -> bool:
@@ -57,8 +63,9 @@ class PipelineSettings:
         return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
 
     def __post_init__(self) -> None:
-        if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
-            raise ValueError(f"pipeline.stages: expected a positive integer or null, found {self.stages!r}")
+        if self.stages is not None and self.stages != "auto" and (
+                not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1):
+            raise ValueError(f"pipeline.stages: expected a positive integer, 'auto' or null, found {self.stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule: expected one of {list(SCHEDULES)}, found {self.schedule!r}")
         if self.planner not in PLANNERS:
@@ -89,6 +96,8 @@ class PipelineSettings:
                 raise ValueError(f"pipeline.{name}: expected an integer >= {lo}, found {v!r}")
         if self.shared_ops not in ("exact", "delayed", "frozen"):
             raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
+        if self.reduce not in ("exact", "fast"):
+            raise ValueError(f"pipeline.reduce: expected 'exact' or 'fast', found {self.reduce!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
 

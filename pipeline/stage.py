@@ -40,8 +40,9 @@ class StageRun:
 
 class StageExecutor:
     def __init__(self, rank: int, schedule: Schedule, transport: Transport, failures: FailureReporter,
-                 tracer: Tracer, device: torch.device, seed: int) -> None:
+                 tracer: Tracer, device: torch.device, seed: int, offset: int = 0) -> None:
         self.rank, self.schedule, self.transport = rank, schedule, transport
+        self.offset = offset  # the global index of this replica's first micro-batch (contexts use it)
         self.failures, self.tracer, self.device, self.seed = failures, tracer, device, seed
         self.last = schedule.num_stages - 1
         self.actions = schedule.actions[rank]
@@ -109,7 +110,7 @@ class StageExecutor:
                     stats.wait_s += time.perf_counter() - w0
                 a0 = time.perf_counter()
                 if action.kind == "F":
-                    run = SliceRun(sl, module, op_contexts(self.seed, step, m, True), policy)
+                    run = SliceRun(sl, module, op_contexts(self.seed, step, m + self.offset, True), policy)
                     outs = run.forward([mbs[m][0]] if rank == 0 else got)
                     runs[m] = run
                     stats.max_in_flight = max(stats.max_in_flight, len(runs))

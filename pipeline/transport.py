@@ -69,15 +69,22 @@ class PostedRecv:
 
 class Transport:
     def __init__(self, rank: int, device: torch.device, timeout_s: float, group: dist.ProcessGroup | None = None,
-                 max_pending: int = 64) -> None:
+                 max_pending: int = 64, peers: Sequence[int] | None = None) -> None:
         self.rank = rank
         self.group = group  # None: the default group; a separate group is a separate channel
+        # ``peers``: the global rank of each peer index (the stages of one replica, or the
+        # replicas of one stage, on a 2-D mesh); None: peer indices are global ranks
+        self.peers = tuple(peers) if peers is not None else None
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.max_pending = max_pending
         self._pending: list[tuple[dist.Work, int, torch.Tensor]] = []
         # NCCL runs a pair's point-to-point operations in order on one stream: batch them
         self.batched = dist.is_initialized() and dist.get_backend(group) == "nccl"
+
+    def global_rank(self, peer: int) -> int:
+        """The global rank of peer index ``peer`` (what torch.distributed addresses)."""
+        return self.peers[peer] if self.peers is not None else peer
 
     # -- payload only ----------------------------------------------------------------------
     def post_recv(self, src: int, specs: Sequence[TensorSpec | None]) -> PostedRecv:
@@ -109,10 +116,11 @@ class Transport:
                 out.append(buf)
                 if buf is not None:
                     ops.append((dist.irecv, buf, src))
+        g = self.global_rank
         if self.batched and ops:
-            works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group=self.group) for fn, t, peer in ops])
+            works = dist.batch_isend_irecv([dist.P2POp(fn, t, g(peer), group=self.group) for fn, t, peer in ops])
         else:
-            works = [fn(t, peer, group=self.group) for fn, t, peer in ops]
+            works = [fn(t, g(peer), group=self.group) for fn, t, peer in ops]
         for work, (buf, dst) in zip(works[:n_sends], buffers):
             self._pending.append((work, dst, buf))
         while len(self._pending) > self.max_pending:  # bounded: wait for the oldest
@@ -152,7 +160,7 @@ class Transport:
             msgs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         msgs = [m.to(self.device) for m in msgs] + bufs
         for m in msgs:
-            self._pending.append((dist.isend(m, dst, group=self.group), dst, m))
+            self._pending.append((dist.isend(m, self.global_rank(dst), group=self.group), dst, m))
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def send_state(self, op_id: str, state: Mapping[str, torch.Tensor], dst: int) -> int:
@@ -199,7 +207,7 @@ class Transport:
         posted: list[tuple[dist.Work, torch.Tensor]] = []
 
         def post(buf: torch.Tensor) -> torch.Tensor:
-            posted.append((dist.irecv(buf, src, group=self.group), buf))
+            posted.append((dist.irecv(buf, self.global_rank(src), group=self.group), buf))
             return buf
 
         meta_buf = post(torch.empty(meta_len, dtype=torch.uint8, device=self.device)) if meta_len else None
@@ -225,16 +233,16 @@ class Transport:
         return out, meta
 
     def _recv_now(self, buf: torch.Tensor, src: int) -> torch.Tensor:
-        self._wait(dist.irecv(buf, src, group=self.group), "receiving from", src)
+        self._wait(dist.irecv(buf, self.global_rank(src), group=self.group), "receiving from", src)
         return buf
 
     def _wait(self, work: dist.Work, what: str, peer: int) -> None:
         try:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo raises on timeout and on a closed connection
-            raise PeerError(peer, what, _short(e)) from e
+            raise PeerError(self.global_rank(peer), what, _short(e)) from e
         if ok is False:
-            raise PeerError(peer, what, f"no answer within {self.timeout.total_seconds():g} s")
+            raise PeerError(self.global_rank(peer), what, f"no answer within {self.timeout.total_seconds():g} s")
 
 
 def _dtypes_in_order(tensors: Sequence[torch.Tensor]) -> list[torch.dtype]:

@@ -459,4 +459,6 @@ def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
               "data": data.get("data"), "train": train}
     if mode != "exact":
         fields["shared_ops"] = {"mode": mode, **({"delay": pipe.get("shared_delay", 1)} if mode == "delayed" else {})}
+    if pipe.get("reduce", "exact") == "fast":  # replicas' gradients summed in the all-reduce's order
+        fields["reduce"] = "fast"
     return _digest(fields)

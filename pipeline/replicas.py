@@ -1,0 +1,249 @@
+"""Replicated stages: the 2-D process mesh (replica x stage) and the exact gradient reduction.
+
+**Layout.** World size N = S x R. Rank ``r`` is stage ``r % S`` of replica ``r // S``: the
+ranks of one replica's pipeline are consecutive (``torchrun`` puts them on one node, where the
+schedule's many small messages go), and the ranks of one stage are ``S`` apart (the gradient
+reduction, one message per update, may cross nodes). Each replica has its own channels
+(migration and gathers, the schedule's messages, moves made ahead); each stage has one replica
+channel (the reduction, the loss gather).
+
+**Micro-batches.** Every replica runs the same plans and schedule on its own share of the
+step's M micro-batches: replica k runs micro-batches k*M/R .. (k+1)*M/R - 1, so its schedule
+has M/R micro-batches, and each micro-batch keeps its global index wherever it runs (its
+dropout masks and its loss are those of the reference).
+
+**Exact reduction (bit-identical to one process).** The reference accumulates an op's
+micro-batch gradients in ascending order, ``((g0 + g1) + g2) + g3``, an in-place float add per
+micro-batch. Replica 0 accumulates its micro-batches as usual: its ``.grad`` is that chain's
+first partial. Replicas k > 0 keep each micro-batch's contribution apart (a post-accumulate
+hook takes ``.grad`` and clears it, so every backward starts from ``None``). Before the update
+the partial travels along the replica chain 0 -> 1 -> ... -> R-1: replica k receives the partial
+of micro-batches < k*M/R and adds its own contributions to it one by one, in order, exactly as
+the reference's ``+=`` does; the last replica sends the final sum back to every other. Batch-norm
+running statistics are a chain too (each micro-batch's forward updates them): replicas k > 0
+record each batch-norm input of the step and replay the update on the running statistics they
+receive, with the kernel the forward uses. Cost: R - 1 hops in sequence plus one fan-out, per
+update, of the stage's gradients; a replica's contributions are kept until then (M/R copies of
+the gradients of its stage's ops).
+
+**Fast mode** (``pipeline.reduce: fast``): every replica accumulates its own micro-batches and
+one all-reduce (per dtype) sums the replicas' partials in the backend's order. Not
+bit-identical to one process (float addition is regrouped: ``(g0 + g1) + (g2 + g3)`` and the
+ring's chunk order), but every replica receives the same bytes, so replicas never drift apart;
+batch-norm statistics still take the exact chain (small). One collective instead of R - 1 hops.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .transport import PeerError, Transport
+
+__all__ = ["Mesh", "MeshError", "ReplicaReducer", "new_group_per"]
+
+
+class MeshError(ValueError):
+    """The world size, ``pipeline.stages`` and ``train.microbatches`` do not fit a mesh."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Where rank ``rank`` sits on the (replica, stage) mesh of ``stages`` x ``replicas`` ranks."""
+
+    rank: int
+    stages: int
+    replicas: int
+
+    @classmethod
+    def of(cls, rank: int, world_size: int, stages: int, microbatches: int) -> Mesh:
+        if stages < 1 or world_size % stages:
+            raise MeshError(f"pipeline.stages: expected a divisor of the world size {world_size} "
+                            f"(world = stages x replicas), found {stages}")
+        replicas = world_size // stages
+        if microbatches % replicas:
+            raise MeshError(f"train.microbatches: expected a multiple of the replica count {replicas} "
+                            f"(world size {world_size} / pipeline.stages {stages}), found {microbatches}")
+        return cls(rank, stages, replicas)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.stages
+
+    def stage_ranks(self, replica: int | None = None) -> tuple[int, ...]:
+        """The global ranks of one replica's pipeline, by stage (default: this rank's replica)."""
+        k = self.replica if replica is None else replica
+        return tuple(k * self.stages + s for s in range(self.stages))
+
+    def replica_ranks(self, stage: int | None = None) -> tuple[int, ...]:
+        """The global ranks holding one stage, by replica (default: this rank's stage)."""
+        s = self.stage if stage is None else stage
+        return tuple(k * self.stages + s for k in range(self.replicas))
+
+    def microbatches(self, total: int) -> range:
+        """The global indices of the micro-batches this replica runs."""
+        per = total // self.replicas
+        return range(self.replica * per, (self.replica + 1) * per)
+
+
+def new_group_per(mesh: Mesh, dim: str) -> dist.ProcessGroup:
+    """A new channel along ``dim`` ("stage": this replica's pipeline; "replica": this stage's
+    replicas). Collective: every rank creates every group, in the same order."""
+    mine = None
+    n = mesh.replicas if dim == "stage" else mesh.stages
+    for i in range(n):
+        ranks = mesh.stage_ranks(i) if dim == "stage" else mesh.replica_ranks(i)
+        group = dist.new_group(list(ranks))
+        if (mesh.replica if dim == "stage" else mesh.stage) == i:
+            mine = group
+    return mine
+
+
+class ReplicaReducer:
+    """The exact reduction of one stage's gradients (and batch-norm statistics) across replicas."""
+
+    def __init__(self, mesh: Mesh, transport: Transport, group: dist.ProcessGroup, mode: str = "exact") -> None:
+        self.mesh, self.transport, self.group = mesh, transport, group
+        self.fast = mode == "fast"  # gradients by one all-reduce (not bit-identical); see the module doc
+        self.first = mesh.replica == 0
+        self.recording = False  # training forwards and backwards only (not evaluation)
+        self._contrib: dict[int, tuple[nn.Parameter, list[torch.Tensor]]] = {}
+        self._bn_inputs: dict[int, tuple[_BatchNorm, list[torch.Tensor]]] = {}
+        self.reduce_s = 0.0  # time in the reduction since the last read (benchmarks)
+
+    # -- recording (replicas k > 0) ---------------------------------------------------------
+    def watch(self, module: nn.Module) -> nn.Module:
+        """Hook ``module`` (once) so a replica k > 0 keeps each micro-batch's contribution apart."""
+        if self.first or getattr(module, "_pipenas_replica_watched", False):
+            return module
+        module._pipenas_replica_watched = True
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._take_grad)
+        for m in module.modules():
+            if isinstance(m, _BatchNorm) and m.track_running_stats:
+                m.register_forward_pre_hook(self._take_input)
+        return module
+
+    def watching(self, module_of: Callable[[str], nn.Module]) -> Callable[[str], nn.Module]:
+        return lambda op: self.watch(module_of(op))
+
+    def _take_grad(self, p: nn.Parameter) -> None:
+        if self.recording and not self.fast and p.grad is not None:
+            self._contrib.setdefault(id(p), (p, []))[1].append(p.grad)
+            p.grad = None  # the next micro-batch's backward starts from None: its contribution alone
+
+    def _take_input(self, bn: _BatchNorm, args: tuple) -> None:
+        if self.recording and bn.training:
+            self._bn_inputs.setdefault(id(bn), (bn, []))[1].append(args[0].detach())
+
+    # -- the reduction ----------------------------------------------------------------------
+    def reduce(self, modules: Sequence[nn.Module]) -> None:
+        """Replace every parameter's ``.grad`` of ``modules`` (this stage's updated ops, in the
+        same order on every replica) by the sum over all M micro-batches, folded in micro-batch
+        order, and the batch-norm running statistics by those after all M micro-batches."""
+        t0 = time.perf_counter()
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        bns = [b for m in modules for b in m.modules() if isinstance(b, _BatchNorm) and b.track_running_stats]
+        if self.fast:  # every replica accumulated its own micro-batches; the chain carries the statistics only
+            for p, g in zip(params, self._all_reduce(params)):
+                p.grad = g
+            params = []
+            if not bns:
+                self.reduce_s += time.perf_counter() - t0
+                return
+        k, last, tr = self.mesh.replica, self.mesh.replicas - 1, self.transport
+        if self.first:
+            grads = [p.grad for p in params]
+        else:
+            got, _ = tr.recv(k - 1)
+            grads = got[:len(params)]
+            for i, p in enumerate(params):
+                for c in self._contrib.pop(id(p), (p, []))[1]:
+                    grads[i] = c.clone() if grads[i] is None else grads[i].add_(c)  # the reference's +=
+            _set_bn(bns, got[len(params):])
+            for bn in bns:
+                for x in self._bn_inputs.pop(id(bn), (bn, []))[1]:
+                    _replay_bn(bn, x)
+        buffers = [t for b in bns for t in (b.running_mean, b.running_var, b.num_batches_tracked)]
+        if k < last:
+            tr.send(grads + buffers, k + 1)
+            tr.flush()
+            got, _ = tr.recv(last)  # the final sum
+            grads = got[:len(params)]
+            _set_bn(bns, got[len(params):])
+        else:
+            for dst in range(last):
+                tr.send(grads + buffers, dst)
+            tr.flush()
+        for p, g in zip(params, grads):
+            p.grad = g
+        self.reduce_s += time.perf_counter() - t0
+
+    def _all_reduce(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The sum of every replica's accumulated gradients (``None`` where no replica has one):
+        one all-reduce per dtype, in the backend's own order."""
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.transport.device)
+        dist.all_reduce(present, group=self.group)
+        flats: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            flats.setdefault(p.dtype, []).append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
+        summed = {}
+        for dt, parts in flats.items():
+            flat = torch.cat(parts)
+            dist.all_reduce(flat, group=self.group)
+            summed[dt] = iter(flat.split([t.numel() for t in parts]))
+        return self._unflatten(params, present.tolist(), summed)
+
+    @staticmethod
+    def _unflatten(params: Sequence[nn.Parameter], present: Sequence[int], summed: dict) -> list[torch.Tensor | None]:
+        out = []
+        for p, n in zip(params, present):
+            g = next(summed[p.dtype])
+            out.append(g.view_as(p).clone() if n else None)
+        return out
+
+    def gather_losses(self, losses: Sequence[float]) -> tuple[float, ...]:
+        """Every replica's micro-batch losses, in global micro-batch order (on every rank)."""
+        mine = torch.tensor(list(losses), dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(self.mesh.replicas)]
+        peer = next(r for r in self.mesh.replica_ranks() if r != self.mesh.rank)
+        try:  # a lost replica is a peer's failure (its note names the root cause), never a hang
+            work = dist.all_gather(out, mine, group=self.group, async_op=True)
+            ok = work.wait(self.transport.timeout)
+        except Exception as e:
+            raise PeerError(peer, "gathering losses with", str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from e
+        if ok is False:
+            raise PeerError(peer, "gathering losses with", f"no answer within {self.transport.timeout.total_seconds():g} s")
+        return tuple(v for t in out for v in t.tolist())
+
+    def drop(self) -> None:
+        """Forget what was recorded (a step whose gradients are dropped)."""
+        self._contrib.clear()
+        self._bn_inputs.clear()
+
+
+def _set_bn(bns: Iterable[_BatchNorm], values: Sequence[torch.Tensor]) -> None:
+    values = list(values)
+    with torch.no_grad():
+        for i, bn in enumerate(bns):
+            for buf, v in zip((bn.running_mean, bn.running_var, bn.num_batches_tracked), values[3 * i:3 * i + 3]):
+                buf.copy_(v)
+
+
+@torch.no_grad()
+def _replay_bn(bn: _BatchNorm, x: torch.Tensor) -> None:
+    """The running-statistics update of ``bn``'s training forward on ``x`` (as _BatchNorm.forward)."""
+    bn.num_batches_tracked.add_(1)
+    factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    F.batch_norm(x, bn.running_mean, bn.running_var, None, None, True, factor, bn.eps)
