@@ -66,7 +66,7 @@ from bench._spawn import emit, progress  # noqa: E402
 from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, subnet_problem  # noqa: E402
 from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
-from pipeline.plan.placement import initial_owners, moves, stages_of  # noqa: E402
+from pipeline.plan.placement import initial_owners, moves  # noqa: E402
 from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
 from pipeline.plan.simulate import simulate  # noqa: E402

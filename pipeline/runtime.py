@@ -347,7 +347,7 @@ class PipelineEngine:
         """The plans of ``archs`` (chained through the placement each leaves, from ``owners``
         and the subnet before, ``prior``) and their cross-subnet schedule. Pure: every rank makes
         the same, now or in the background a segment ahead."""
-        M, key = self.microbatches, (tuple(archs), dict(owners), prior)
+        key = (tuple(archs), dict(owners), prior)
         plans, owners = [], dict(owners)
         for arch in archs:
             plan = self.planner.plan_with(arch, owners, prior)
