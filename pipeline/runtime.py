@@ -334,6 +334,11 @@ class PipelineEngine:
             if runs[-1] and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
                 runs.append([])
             runs[-1].append(item)
+        head = 2 * self.settings.window
+        if self._ahead is None and len(runs[0]) > head:
+            # nothing was prepared ahead (the first segment, or after an evaluation): plan a short
+            # segment now and the rest in the background while it runs
+            runs[:1] = [runs[0][:head], runs[0][head:]]
         out = []
         for k, run in enumerate(runs):
             after = run[-1][0] + 1  # the next segment: the next run of this call, else the lookahead up to a boundary
