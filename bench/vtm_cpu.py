@@ -58,8 +58,7 @@ def footprints(overrides: list[str], optimizer: str) -> tuple[int, int]:
     """(whole supernet, largest subnet) bytes in the arena, from the run's own config, with the
     optimizer state on the host or the device (``memory.optimizer``)."""
     import supernet.spaces  # noqa: F401
-    from pipeline.memory_settings import MemorySettings
-    from pipeline.tensors import TensorManager
+    from pipeline.memory import MemorySettings, TensorManager
     from search.config import build_data, build_space, load_config
 
     rc = load_config(compose(overrides))

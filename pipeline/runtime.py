@@ -38,15 +38,13 @@ from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, grap
                      update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
-from .memory_plan import MemoryModel
+from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
 from .plan.schedule import Schedule, build as build_schedule, validate
 from .settings import DistEnv, PipelineSettings
 from .stage import StageExecutor
-from .memory_settings import MemorySettings
-from .tensors import OptimConfig, TensorManager
 from .trace import Span, Tracer
 from .transport import Transport
 
@@ -107,7 +105,7 @@ class PipelineEngine:
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)
         # ``memory``: with a device budget this stage's ops live in host memory behind a bounded
-        # device arena, fetched ahead from the plans of the coming steps (pipeline/tensors.py)
+        # device arena, fetched ahead from the plans of the coming steps (pipeline/memory/)
         self.tensors = TensorManager(graph, seed, optim, self.device,
                                      own=[op for op, s in self.owners.items() if s == self.rank], memory=memory)
         self.stats = StepStats()

@@ -70,7 +70,7 @@ def arch_stream(graph, seed: int, n: int):
 
 def make_engine(sc: Scenario, graph, env=None):
     from pipeline import LrSchedule, OptimConfig, PipelineSettings, create_engine
-    from pipeline.memory_settings import MemorySettings
+    from pipeline.memory import MemorySettings
 
     optim = OptimConfig(name=sc.optimizer, lr=0.05 if sc.optimizer == "sgd" else 3e-3, momentum=0.9, weight_decay=1e-4)
     lr = LrSchedule(optim.lr, sc.steps, "cosine", warmup_steps=1)

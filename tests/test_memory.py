@@ -4,14 +4,16 @@ written back."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
 
 from distributed import arch_stream, build_graph, step_data
 from pipeline import LrSchedule, MemoryBudgetError, MemorySettings, OptimConfig, ReferenceEngine, params_digest
-from pipeline.memory_arena import Arena, OpLayout
-from pipeline.tensors import TensorManager
+from pipeline.memory import TensorManager
+from pipeline.memory.arena import Arena
+from pipeline.memory.state import OpLayout
 from supernet import OpContext, OpSpec, SupernetGraph
 
 STEPS = 5
@@ -362,7 +364,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_cuda_copier_orders_copies_after_compute_and_compute_after_copies(fake_cuda: list) -> None:
-    from pipeline.memory_arena import CudaCopier
+    from pipeline.memory.copies import CudaCopier
 
     copier = CudaCopier(torch.device("cuda"))
     src, dst = torch.arange(8.0), torch.zeros(8)
@@ -380,7 +382,7 @@ def test_cuda_copier_orders_copies_after_compute_and_compute_after_copies(fake_c
 def test_the_store_waits_for_every_fetch_through_cuda_handles(fake_cuda: list, no_static_check) -> None:
     """The whole manager driven through the CUDA copier (stand-ins): every fetch's event is
     waited on by the compute stream before the op is used, and the bits are unchanged."""
-    from pipeline.memory_arena import CudaCopier
+    from pipeline.memory.copies import CudaCopier
 
     events: list[_FakeEvent] = []
     real_event = torch.cuda.Event
@@ -525,3 +527,29 @@ def test_resuming_from_op_states_with_a_budget_continues_the_same_bits(no_static
     assert got == ref
     assert params_digest(second.op_states()) == params_digest(plain.op_states())
     second.close()
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru", "on_demand"])
+def test_the_runtime_store_and_the_offline_plan_fetch_alike(policy: str) -> None:
+    """One policy object serves both: on unit-size traces without prefetch ahead, the store's
+    fetches equal the residency plan's (for Belady: the exhaustive optimum, tests/test_residency.py)."""
+    from pipeline.plan.residency import plan_residency
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        n_ops, cache = rng.randint(3, 8), rng.randint(2, 4)
+        g = SupernetGraph("unit")
+        for k in range(n_ops):
+            g.add_fixed(f"o{k}", OpSpec.of("mlp", d=8, hidden=16), ["input"])
+        ids = [s.op_id for s in g.slots()]
+        trace = [tuple(rng.sample(ids, rng.randint(1, 2))) for _ in range(rng.randint(4, 12))]
+        one = TensorManager(g, 0, optim_of("sgd"), memory=MemorySettings(optimizer="device")).footprint(ids[:1])
+        tm = TensorManager(g, 0, optim_of("sgd"), own=ids, memory=MemorySettings(
+            device_budget_bytes=cache * one, policy=policy, prefetch_depth=0, optimizer="device"))
+        for t in range(len(trace)):
+            tm.prefetch([set(s) for s in trace[t:]])
+            tm.ensure(trace[t])
+            tm.release_step()
+        plan = plan_residency(trace, {o: 1 for o in ids}, cache, policy, prefetch_depth=0)
+        assert tm.stats().fetches == plan.fetches, (seed, trace)
+        tm.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import Scenario, run_scenario, spawn
-from pipeline.tensors import TensorManager
+from pipeline.memory import TensorManager
 from test_memory import tight_budget
 
 pytestmark = pytest.mark.dist
@@ -95,7 +95,7 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
     from distributed import arch_stream, build_graph, step_data
     from pipeline import MemorySettings, PipelineSettings
     from pipeline.lookahead import LookaheadPlanner
-    from pipeline.memory_plan import MemoryModel
+    from pipeline.memory import MemoryModel
     from pipeline.plan.placement import initial_owners, stages_of
     from test_memory import optim_of
 

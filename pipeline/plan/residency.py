@@ -8,18 +8,12 @@ future into a :class:`ResidencyPlan` — data, step by step: what is fetched (on
 of the step, or ahead, during it), what is evicted (and written back when dirty), hits, misses and
 the peak resident bytes — which the runtime executes and :mod:`pipeline.plan.simulate` times.
 
-Policies (``policy=``):
-
-* ``belady``: evict the resident op whose next use is furthest away (never one the current step
-  needs, and never, when prefetching, one needed no later than the op being fetched). Prefetch
-  the ops of the next ``prefetch_depth`` steps in order of use while such a victim exists, at
-  most ``max_copies`` fetches ahead per step. With unit sizes and no prefetch this is Belady's
-  MIN, which is optimal (tests check it against exhaustive search); with mixed sizes it is the
-  usual heuristic (optimal caching with sizes is NP-hard).
-* ``lru``: the same prefetch, evicting the least recently used op (the future is used only to
-  know what to fetch, not what to keep).
-* ``on_demand``: no prefetch; a step's missing ops are fetched synchronously at its start, LRU
-  eviction.
+Policies (``policy=``) are the objects of :mod:`pipeline.memory.policy`, the same ones the
+runtime store asks, so the plan and the run evict alike: ``belady`` (furthest next use; with
+unit sizes and no prefetch Belady's MIN, optimal; with mixed sizes the usual heuristic, as
+optimal caching with sizes is NP-hard), ``lru`` and ``on_demand`` (no prefetch). The ops of the
+next ``prefetch_depth`` steps are fetched ahead, in order of use, while the policy finds a
+victim (never one the current step needs), at most ``max_copies`` fetches ahead per step.
 
 Per step the plan reports, for every op the step needs, whether it was a *hit* (resident from an
 earlier use or left there), *prefetched* (fetched ahead for this use) or a *miss* (fetched on
@@ -33,11 +27,11 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["POLICIES", "ResidencyError", "StepResidency", "ResidencyPlan", "NextUse", "next_use", "plan_residency"]
+from ..memory.policy import NEVER, POLICIES, Candidate, policy_named
 
-POLICIES = ("belady", "lru", "on_demand")
+__all__ = ["NEVER", "ResidencyError", "StepResidency", "ResidencyPlan", "NextUse", "next_use", "plan_residency"]
+
 _MIB = float(2**20)
-NEVER = float("inf")
 
 
 class ResidencyError(ValueError):
@@ -179,8 +173,9 @@ def plan_residency(
     at the start (clean; they must fit in the budget).
     """
     trace = _check(uses, sizes, budget, policy, prefetch_depth, max_copies)
+    rule = policy_named(policy)
     future = next_use(trace)
-    depth = 0 if policy == "on_demand" else prefetch_depth
+    depth = prefetch_depth if rule.prefetches else 0
     res: dict[str, None] = {}          # resident ops, least recently used first (dict keeps order)
     dirty: set[str] = set()
     ahead: set[str] = set()            # prefetched and not used yet
@@ -194,23 +189,10 @@ def plan_residency(
         raise ResidencyError(f"resident: the ops given as resident take {used_bytes} bytes, over the budget "
                              f"of {budget} bytes by {used_bytes - budget}", short_by=used_bytes - budget)
 
-    def victim(t: int, pinned: set[str], fetch_use: float) -> str | None:
-        """The op to evict for a fetch needed at ``fetch_use`` during step ``t`` (None: no candidate)."""
-        if policy == "belady":
-            best, best_use = None, fetch_use
-            for op in res:  # LRU order breaks ties towards the least recently used
-                if op in pinned:
-                    continue
-                u = future.after(op, t)
-                if u > best_use:
-                    best, best_use = op, u
-            return best
-        for op in res:  # lru / on_demand: the least recently used unpinned op, not one fetched ahead
-            if op not in pinned and op not in ahead:
-                return op
-        if fetch_use == NEVER:  # a demand fetch may take the space of an op fetched ahead
-            return next((op for op in res if op not in pinned), None)
-        return None
+    def victim(t: int, pinned: set[str], fetch_use: float | None) -> str | None:
+        """The op to evict for a fetch needed at ``fetch_use`` (None: on demand) during step ``t``."""
+        v = rule.victim((Candidate(op, future.after(op, t), op in ahead) for op in res if op not in pinned), fetch_use)
+        return None if v is None else v.op_id
 
     steps: list[StepResidency] = []
     totals = dict(hits=0, prefetched=0, misses=0, fetched=0, written=0, peak=used_bytes)
@@ -238,7 +220,7 @@ def plan_residency(
         for op in miss:
             made: list[str] = []
             while used_bytes + sizes[op] > budget:
-                v = victim(t, pinned, NEVER) if policy != "belady" else victim(t, pinned, -1.0)
+                v = victim(t, pinned, None)
                 if v is None:  # unreachable: _check proved the step's ops fit
                     raise ResidencyError(f"step {t}: no op to evict for {op!r}")
                 drop(v)
@@ -265,7 +247,7 @@ def plan_residency(
                 if op in res or (max_copies is not None and len(prefetch) >= max_copies):
                     continue
                 keep = pinned | set(prefetch) | {op}
-                if policy != "belady":  # the prefetcher knows which step it fetches for
+                if rule.spares_fetched_step:
                     keep |= set(trace[u])
                 victims, free = [], budget - used_bytes
                 while free < sizes[op]:  # choose every victim first: evict only if the fetch fits
@@ -275,12 +257,10 @@ def plan_residency(
                     victims.append(v)
                     free += sizes[v]
                 # Stop looking ahead when there is no room without evicting something needed
-                # sooner, or (Belady, beyond the next step) when one of this step's ops, which
-                # become candidates once it ends, is used later than a victim: fetching now would
-                # cost a fetch more than fetching then.
-                room = free >= sizes[op] and not (
-                    policy == "belady" and u > t + 1 and victims
-                    and min(future.after(v, t + 1) for v in victims) < max(future.after(p, t + 1) for p in need))
+                # sooner, or when the policy would rather wait for this step's ops to become
+                # candidates (they do once it ends).
+                room = free >= sizes[op] and rule.fetch_ahead_pays(
+                    u - t, (future.after(v, t + 1) for v in victims), (future.after(p, t + 1) for p in need))
                 if not room:
                     break
                 for v in victims:

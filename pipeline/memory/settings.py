@@ -7,9 +7,10 @@ manager starts (CUDA only; at most one of the two).
 ``host_memory``: where non-resident ops live: ``pageable``, ``pinned`` (page-locked, what
 makes host-to-device copies asynchronous and fast on CUDA) or ``shared`` (shared memory, so
 other processes on the machine can map it). ``policy``: what is evicted and when ops are
-fetched: ``belady`` (evict the op whose next use in the known future is furthest away,
-prefetch from the lookahead), ``lru`` (prefetch from the lookahead, evict the least recently
-used op) or ``on_demand`` (no prefetch: fetch synchronously when used, evict LRU).
+fetched (:mod:`pipeline.memory.policy`): ``belady`` (evict the op whose next use in the known
+future is furthest away, prefetch from the lookahead), ``lru`` (prefetch from the lookahead,
+evict the least recently used op) or ``on_demand`` (no prefetch: fetch synchronously when used,
+evict LRU).
 ``prefetch_depth``: how many future steps the manager fetches ahead (as the budget allows).
 ``max_in_flight``: copies in flight at once. ``activations``: where each op's saved activations
 wait for its backward (``keep``, ``swap``, ``recompute`` for every op, or ``auto``: a keep/swap/
@@ -39,10 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .policy import POLICIES
+
 __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZER_PLACEMENTS"]
 
 HOST_MEMORY = ("pageable", "pinned", "shared")
-POLICIES = ("belady", "lru", "on_demand")
 ACTIVATIONS = ("keep", "swap", "recompute", "auto")
 OPTIMIZER_PLACEMENTS = ("device", "host")
 CPU_COPIES = ("thread", "inline")
