@@ -92,7 +92,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     if sc.load:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
-    resident_peak, evictions, swapped, recomputed = 0, 0, 0, 0
+    resident_peak, evictions, swapped, recomputed, hits, host_updates = 0, 0, 0, 0, 0, 0
     for step in range(sc.start, sc.steps if sc.stop is None else sc.stop):
         x, y = step_data(sc.seed, step, sc.batch)
         if sc.plan_ahead:
@@ -109,6 +109,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         recomputed += getattr(getattr(engine, "stats", None), "recomputed_ops", 0)
         if r.memory is not None:
             resident_peak, evictions = max(resident_peak, r.memory.resident_bytes_peak), evictions + r.memory.evictions
+            hits, host_updates = hits + r.memory.hits, host_updates + r.memory.host_updates
     evals = []
     for i in range(sc.eval_archs):
         xv, yv = step_data(sc.seed + 7, i, sc.batch)
@@ -123,7 +124,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
-        "swapped": swapped, "recomputed": recomputed, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "swapped": swapped, "recomputed": recomputed, "hits": hits, "host_updates": host_updates, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
@@ -150,8 +151,9 @@ def _worker() -> None:
         dist.all_gather_object(peaks, engine.stats.max_in_flight)
         res["peak_in_flight"] = peaks
         mem: list = [None] * world
-        dist.all_gather_object(mem, (res["resident_peak"], res["evictions"], res["swapped"], res["recomputed"]))
-        for k, key in enumerate(("resident_peak", "evictions", "swapped", "recomputed")):
+        gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates")
+        dist.all_gather_object(mem, tuple(res[key] for key in gathered))
+        for k, key in enumerate(gathered):
             res[key] = [m[k] for m in mem]
         results.append(res)
     if rank == 0:

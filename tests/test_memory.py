@@ -108,6 +108,25 @@ def test_the_host_updated_optimizer_computes_the_same_bits(space: str, optim: st
     assert all(st.evictions >= 1 for st in got["steps"])  # the step's ops leave the device
 
 
+@pytest.mark.parametrize("space, optim", [("transformer", "adamw"), ("conv", "sgd"), ("cell", "adamw")])
+def test_the_hybrid_placement_computes_the_same_bits(space: str, optim: str, no_static_check) -> None:
+    """Hybrid: an op the next subnet reuses keeps its state on the device (a hit next step),
+    the others are updated on the host; at the host placement's tightest budget too (the state
+    then stays home where there is no room for it), and the bits do not change."""
+    ref = run(space, optim, None)
+    for optimizer in ("device", "host"):  # room for the state of the step's ops, or only their weights
+        budget = tight_budget(space, optim, optimizer=optimizer)
+        got = run(space, optim, MemorySettings(device_budget_bytes=budget, optimizer="hybrid"), audit=True)
+        for key in ("losses", "mb", "eval", "digest"):
+            assert got[key] == ref[key], f"{space}/{optim}: {key} differs with the hybrid placement ({optimizer} budget)"
+        for a in got["audits"]:
+            assert not a.stray, a.stray
+        st = got["stats"]
+        assert st.host_updates > 0 and st.resident_bytes_peak <= budget
+        if optimizer == "device":
+            assert st.hits > 0 and st.write_backs > 0  # kept on the device for the next subnet, then sent home
+
+
 def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
     budget = tight_budget("cell", "adamw")
     ref = run("cell", "adamw", None)

@@ -162,7 +162,7 @@ class TensorManager:
         """Per op, the bytes it takes in the arena under this manager's settings, owned or not
         (:func:`~pipeline.memory.sizing.footprints`)."""
         return footprints(lambda o: self._slot(o).spec, op_ids, self.seed, self._state_keys,
-                          alignment_for(self.device), self.memory.optimizer == "host")
+                          alignment_for(self.device), self.memory.state_can_stay_home)
 
     def close(self) -> None:
         """Wait for copies in flight and stop the copy thread."""
@@ -171,9 +171,9 @@ class TensorManager:
     # -- training --------------------------------------------------------------------------
     def step(self, op_ids: Iterable[str], lr: float) -> None:
         """One optimizer step for each of ``op_ids`` (ops without gradients are left alone), all
-        in one optimizer call. With the optimizer on the host (``memory.optimizer=host``) each
-        op's gradients go to its host home first and the op leaves the device; the update then
-        runs on the host homes."""
+        in one optimizer call. An op updated on the host (``memory.optimizer=host``, or
+        ``hybrid`` when its state stayed home) has its gradients sent home first and leaves the
+        device; its update runs on its host home."""
         op_ids = list(dict.fromkeys(op_ids))
         stepped = self._store.prepare_step(op_ids)
         fresh = self._group.step([(o, self._optims[o]) for o in op_ids], lr)

@@ -45,6 +45,14 @@ class OpPlacement:
         self.settled = False  # every optimizer state slot is a view of where the op lives
         self.last_use = -1
 
+    def set_host_update(self, on_host: bool) -> None:
+        """Where the op's next update runs (only while it is at home): on the host, its state
+        stays there and only the weights and buffers go to the arena; on the device, all of it."""
+        if self.state != HOST:
+            raise RuntimeError(f"op {self.op_id!r}: its optimizer placement changes only at home, not {self.state}")
+        self.optim_on_host = on_host
+        self.nbytes = self.layout.weights_nbytes if on_host else self.layout.nbytes
+
     def host_views(self) -> list[torch.Tensor]:
         """The slots' tensors over the host home (made once: the home never moves)."""
         if self._host_views is None:

@@ -46,7 +46,7 @@ __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZE
 
 HOST_MEMORY = ("pageable", "pinned", "shared")
 ACTIVATIONS = ("keep", "swap", "recompute", "auto")
-OPTIMIZER_PLACEMENTS = ("device", "host")
+OPTIMIZER_PLACEMENTS = ("device", "host", "hybrid")
 CPU_COPIES = ("thread", "inline")
 
 
@@ -65,6 +65,12 @@ class MemorySettings:
     host_link_bandwidth: float = 25e9
     optimizer: str = "host"
     cpu_copies: str = "inline"
+
+    @property
+    def state_can_stay_home(self) -> bool:
+        """Whether an op can run with its optimizer state in its host home (``host``, ``hybrid``):
+        the arena must hold at least its weights and buffers, not its state."""
+        return self.optimizer != "device"
 
     @property
     def virtual(self) -> bool:

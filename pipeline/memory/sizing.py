@@ -75,7 +75,7 @@ class MemoryModel:
         """The partitioner's memory model (None without a budget)."""
         if self.arena_bytes is None:
             return None
-        return ManagedMemory(self.settings.optimizer, arena=self.footprint)
+        return ManagedMemory("host" if self.settings.state_can_stay_home else "device", arena=self.footprint)
 
     def budgets(self) -> tuple[float, ...] | None:
         return None if self.arena_bytes is None else tuple(float(b) for b in self.arena_bytes)
@@ -116,7 +116,7 @@ def arena_error(model: MemoryModel, part: Partition, what: str) -> MemoryBudgetE
     over = [m - b for m, b in zip(part.stage_memory, model.arena_bytes)]
     s = max(range(len(over)), key=over.__getitem__)
     hints = ["use more stages"]
-    if model.settings.optimizer != "host":
+    if not model.settings.state_can_stay_home:
         hints.append("keep the optimizer state on the host (memory.optimizer=host)")
     return budget_error(f"{what}, bounds {part.bounds}, the active ops of stage {s}",
                         int(part.stage_memory[s]), int(model.arena_bytes[s]), hints)

@@ -23,7 +23,8 @@ class MemoryStats:
     kept from an earlier use); ``late``: prefetched but still in flight when needed;
     ``misses``: fetched on demand. ``stall_s``: time ``ensure`` waited; ``busy_s``: host time in
     the manager's calls (bookkeeping, issuing copies, and the stalls). ``written_back_bytes``:
-    device-to-host bytes (write-backs, and gradients with the host-updated optimizer)."""
+    device-to-host bytes (write-backs, and gradients with the host-updated optimizer).
+    ``host_updates``: op updates that ran on the host (``memory.optimizer`` host or hybrid)."""
 
     budget_bytes: int | None = None
     resident_bytes: int = 0
@@ -36,6 +37,7 @@ class MemoryStats:
     hits: int = 0
     late: int = 0
     misses: int = 0
+    host_updates: int = 0
     stall_s: float = 0.0
     busy_s: float = 0.0
 

@@ -58,8 +58,8 @@ class VirtualStore(WorkingSet):
     def __init__(self, settings: MemorySettings, device: torch.device, state_keys: Sequence[str]) -> None:
         super().__init__(settings, device)
         self.state_keys = tuple(state_keys)
-        self.host_update = settings.optimizer == "host"
         self._tick = 0
+        self._updating_home: set[str] = set()  # ops of the step being updated on the host
         self._depth = 0  # nesting of timed calls (only the outermost one counts)
         self._lock = threading.RLock()
 
@@ -71,7 +71,7 @@ class VirtualStore(WorkingSet):
         exported) overrides its tensors."""
         layout = op_layout(module, self.state_keys, self.align)
         rec = OpPlacement(op_id, module, opt, layout, host_buffer(layout.nbytes, self.settings.host_memory, self.device),
-                          self.host_update)
+                          self.settings.state_can_stay_home)
         if rec.nbytes > self.arena.capacity:
             raise budget_error(f"op {op_id!r} alone", rec.nbytes, self.arena.capacity)
         rec.fill_home(state, self.state_keys)
@@ -116,9 +116,11 @@ class VirtualStore(WorkingSet):
     def ensure(self, op_ids: Collection[str]) -> None:
         """Pin ``op_ids`` for the current step and wait until they are resident."""
         need = [o for o in dict.fromkeys(op_ids) if o in self.ops]
-        fresh = [o for o in need if o not in self.pinned or self.ops[o].state != RESIDENT]
         together = set(self.pinned) | set(need)
         total = sum(self.ops[o].nbytes for o in together)
+        if total > self.arena.capacity and self.hybrid:
+            total = self._shed_state(together)
+        fresh = [o for o in need if o not in self.pinned or self.ops[o].state != RESIDENT]
         if total > self.arena.capacity:
             raise budget_error(f"the {len(together)} ops needed at once", total, self.arena.capacity)
         self.pinned.update(need)
@@ -135,7 +137,7 @@ class VirtualStore(WorkingSet):
             else:
                 self.counters.add(misses=1)
                 waited = True
-                self._start_fetch(rec, self._make_room(rec, limit=None))
+                self._start_fetch(rec, self._place(rec, 0, limit=None, step_ops=together))
             self.ahead.discard(o)
         for o in fresh:
             rec = self.ops[o]
@@ -159,16 +161,18 @@ class VirtualStore(WorkingSet):
 
     @_timed
     def prepare_step(self, op_ids: Sequence[str]) -> list[str]:
-        """Before the optimizer step of ``op_ids``: each resident and pinned; with the optimizer
-        on the host, its gradients in host memory and the op back in its home (the host update
-        makes the device copy stale). Returns the ops that take a step."""
+        """Before the optimizer step of ``op_ids``: each resident and pinned; an op whose update
+        runs on the host (its state stayed home) has its gradients in host memory and is back in
+        its home (the host update makes the device copy stale). Returns the ops that take a step."""
         stepped = []
         for op_id in op_ids:
             self.use(op_id, mutates=False)
             rec = self.ops[op_id]
-            if self.host_update:
+            if rec.optim_on_host:
                 self._to_host(rec)
-            if self.host_update or any(p.grad is not None for p in rec.params):
+                self._updating_home.add(op_id)
+                self.counters.add(host_updates=1)
+            if rec.optim_on_host or any(p.grad is not None for p in rec.params):
                 stepped.append(op_id)
         return stepped
 
@@ -178,13 +182,27 @@ class VirtualStore(WorkingSet):
         created lazily (``fresh``: the first step) moves into its slots."""
         for op_id in stepped:
             rec = self.ops[op_id]
-            if self.host_update:
+            if op_id in self._updating_home:
                 if not rec.settled:
                     rec.settle(rec.host, 0)
                 continue
             rec.dirty = True
             if not rec.settled and rec.nbytes:
                 rec.settle(self.arena.buffer, rec.offset)
+        self._updating_home.clear()
+
+    def _shed_state(self, together: set[str]) -> int:
+        """Hybrid, when the ops needed at once do not fit with the state some of them keep on
+        the device: send those ops home (written back), to come back without it, until they fit;
+        returns the bytes the ops then need."""
+        for o in sorted(together):
+            rec = self.ops[o]
+            total = sum(self.ops[x].nbytes for x in together)
+            if total <= self.arena.capacity:
+                return total
+            if not rec.optim_on_host and rec.state != HOST and o not in self.in_use:
+                self._evict(rec)
+        return sum(self.ops[x].nbytes for x in together)
 
     def _to_host(self, rec: OpPlacement) -> None:
         """The op's gradients to host memory, its changed buffers written back, the op home."""

@@ -7,8 +7,9 @@ flight. It places a fetch in the arena, evicting what its :mod:`~pipeline.memory
 (the same objects the offline planner asks) and compacting the arena when free bytes suffice but
 no gap does; it fetches the coming steps' ops ahead while the budget and ``max_in_flight``
 allow. An evicted op is copied back only when dirty: it took an optimizer step on the device,
-or it has buffers (batch norm) and was used. :class:`~pipeline.memory.virtual.VirtualStore` is
-the store interface on top of it.
+or it has buffers (batch norm) and was used. With the hybrid optimizer placement each fetch also
+chooses whether the op's optimizer state comes along (:meth:`WorkingSet._keeps_state`).
+:class:`~pipeline.memory.virtual.VirtualStore` is the store interface on top of it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Collection
 
 import torch
 
+from ..plan.hybrid import REUSE_NEXT, op_runs
 from .arena import Arena
 from .copies import Handle, make_copier
 from .errors import fragmented_error
@@ -36,6 +38,7 @@ class WorkingSet:
         self.settings = settings
         self.device = device
         self.policy = policy_named(settings.policy)
+        self.hybrid = settings.optimizer == "hybrid"
         self.align = alignment_for(device)
         self.arena = Arena(settings.budget_for(device), device, self.align)
         self.copier = make_copier(device, settings.cpu_copies)
@@ -77,9 +80,38 @@ class WorkingSet:
         return None
 
     # -- placing an op ------------------------------------------------------------------------
-    def _make_room(self, rec: OpPlacement, limit: float | None, keep: Collection[str] = ()) -> int | None:
+    def _keeps_state(self, op_id: str, idx: int) -> bool:
+        """Hybrid placement: whether the op's use at future index ``idx`` is updated on the
+        device (its state comes along and stays while the next subnets reuse it), by the rule of
+        :mod:`pipeline.plan.hybrid` over the future the engine announced."""
+        rest = self.future[idx:]
+        steps = [0] + [i for i in range(1, len(rest)) if op_id in rest[i]]
+        layout = self.ops[op_id].layout
+        w = layout.weights_nbytes
+        s = layout.nbytes - w
+        return op_runs(steps, w, s, REUSE_NEXT.host(op_id, s), REUSE_NEXT)[1][0]
+
+    def _place(self, rec: OpPlacement, idx: int, limit: float | None, keep: Collection[str] = (),
+               step_ops: Collection[str] = ()) -> int | None:
+        """Place ``rec`` for its use at future index ``idx`` (:meth:`_make_room`); with the hybrid
+        placement, with its optimizer state when the rule says so and room allows (the ops of
+        its step, ``step_ops``, must still fit together), else without."""
+        if self.hybrid and rec.state == HOST:
+            extra = rec.layout.nbytes - rec.layout.weights_nbytes
+            together = sum(self.ops[o].nbytes for o in step_ops if o in self.ops and o != rec.op_id) + rec.nbytes
+            if together + extra <= self.arena.capacity and self._keeps_state(rec.op_id, idx):
+                rec.set_host_update(False)
+                off = self._make_room(rec, limit, keep, soft=True)
+                if off is not None:
+                    return off
+            rec.set_host_update(True)
+        return self._make_room(rec, limit, keep)
+
+    def _make_room(self, rec: OpPlacement, limit: float | None, keep: Collection[str] = (),
+                   soft: bool = False) -> int | None:
         """Place ``rec`` in the arena, evicting as the policy says; ``None`` when a prefetch
-        (``limit`` set) would have to evict something needed sooner."""
+        (``limit`` set) would have to evict something needed sooner, or (``soft``) when nothing
+        more can be evicted."""
         n = rec.nbytes
         while True:
             off = self.arena.allocate(rec.op_id, n)
@@ -100,7 +132,7 @@ class WorkingSet:
                 self._drain()  # fetches ahead finish and become candidates
                 victim = self._victim(limit, keep)
             if victim is None:
-                if limit is not None:
+                if limit is not None or soft:
                     return None
                 raise fragmented_error(rec.op_id, n, self.arena.capacity - self.arena.used, len(self.in_use),
                                        sum(self.ops[o].nbytes for o in self.pinned), self.arena.capacity)
@@ -158,6 +190,8 @@ class WorkingSet:
         rec.point(rec.host, 0)
         self.arena.free(rec.op_id)
         rec.state, rec.offset = HOST, -1
+        if self.hybrid:  # at home the op needs the least room: its next use decides again
+            rec.set_host_update(True)
         self.ahead.discard(rec.op_id)
         self.counters.add(evictions=1)
 
@@ -201,7 +235,8 @@ class WorkingSet:
                 if len(self.in_flight) >= self.settings.max_in_flight:
                     self._blocked = True
                     return
-                off = self._make_room(rec, limit=idx, keep=ops if self.policy.spares_fetched_step else ())
+                off = self._place(rec, idx, limit=idx, keep=ops if self.policy.spares_fetched_step else (),
+                                  step_ops=ops)
                 if off is None:
                     return  # the budget is full of ops needed no later than this one
                 self._start_fetch(rec, off)

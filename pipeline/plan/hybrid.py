@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["HybridCosts", "HybridPlan", "reuse_rule", "plan_hybrid", "op_runs", "limit_host"]
+__all__ = ["HybridCosts", "HybridPlan", "REUSE_NEXT", "reuse_rule", "plan_hybrid", "op_runs", "limit_host"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ def reuse_rule(max_gap: int | None) -> HybridCosts:
     """Keep the state on the device while the op's next use is at most ``max_gap`` steps away,
     send it home otherwise (``hold = 0``, ``host_cost`` = the state's bytes)."""
     return HybridCosts(0.0, None, max_gap)
+
+
+REUSE_NEXT = reuse_rule(1)  # the runtime's rule: the state stays while the next subnet reuses the op
 
 
 @dataclass(frozen=True)
