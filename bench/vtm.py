@@ -14,13 +14,17 @@ Per setting (P, over-subscription, optimizer placement, host link, tokens per st
   node order, so each layer lives on one stage and nothing migrates).
 * **Budget**: per stage ``supernet bytes / (over-subscription x P)`` (supernet bytes: 16 B per
   parameter). Each stage gives it to the active ops' grads, to activations (all kept if that
-  leaves room for two steps' op state, else the least the activation plan needs) and the rest to
-  op state resident under the residency plan (``pipeline.plan.residency``).
+  leaves room for two steps' op state, an op both steps use counted once, else the least the
+  activation plan needs) and the rest to op state resident under the residency plan
+  (``pipeline.plan.residency``).
 * **Optimizer placement** (``pipeline.plan.simulate``'s doc states the physics): ``device``: an
   op travels with its AdamW moments, 12 B/param up per fetch and 12 B/param written back when a
   changed op is evicted; ``host``: 4 B/param of weights up per use, 4 B/param of grads down after
   the step's last backward, the host's AdamW update at ``--host-update`` params/s per stage (the
-  next use's fetch waits for it).
+  next use's fetch waits for it); ``hybrid`` (``pipeline.plan.hybrid``): per op and step, the
+  device's way while the next subnet (``--hybrid-gap`` steps) reuses the op, the host's way
+  otherwise (the runtime store's rule), and no more host updates per step than the host does in
+  an all-resident step's time (``limit_host``: the ops needed again soonest go to the device).
 * **Policies**, same run: ``all_resident`` (infinite memory: no copies, every activation kept),
   ``on_demand`` (synchronous fetch at the step's start, LRU), ``lru`` and ``belady`` (prefetch of
   the next step's ops during the current one, LRU or Belady eviction).
@@ -53,7 +57,7 @@ from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
-from pipeline.plan.hybrid import HybridCosts, limit_host, plan_hybrid, reuse_rule  # noqa: E402
+from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, limit_host, plan_hybrid, reuse_rule  # noqa: E402
 from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
@@ -86,7 +90,7 @@ def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: flo
 
 
 def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
-                host_update: float, policies=POLICIES, hybrid: HybridCosts = reuse_rule(1)) -> dict:
+                host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT) -> dict:
     """Simulate every policy over the subnets for one setting; the figures of one JSON line."""
     table, n = space.table, len(space.actives)
     ops = table.ops
@@ -303,7 +307,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--oversub", type=float, nargs="+", default=[4.0, 8.0])
-    ap.add_argument("--placements", nargs="+", default=["device", "host"], choices=["device", "host"])
+    ap.add_argument("--placements", nargs="+", default=["device", "host", "hybrid"],
+                    choices=["device", "host", "hybrid"])
+    ap.add_argument("--hybrid-gap", type=int, default=1,
+                    help="hybrid: an op's state stays on the device while its next use is at most this many steps away")
     ap.add_argument("--naspipe-microbatches", type=int, nargs="+", default=[8, 16],
                     help="NASPipe's batch as bench/naspipe_planner.py runs it (micro-batches of 8 x 128 tokens): "
                          "every policy, at every link")
@@ -337,7 +344,8 @@ def main() -> None:
     rows = []
     for P, oversub, placement, link_bw, M, policies in runs:
         t1 = time.perf_counter()
-        res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies)
+        res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies,
+                          reuse_rule(args.hybrid_gap))
         b = res.get("belady", {})
         progress(f"P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: {time.perf_counter() - t1:.1f} s, "
                  f"belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "

@@ -18,15 +18,17 @@ recompute choice per op, planned with each partition by :mod:`pipeline.plan.acti
 a stage's kept activations fit ``activation_budget_bytes`` at the least added time; swaps are
 priced at ``host_link_bandwidth`` bytes/s each way). ``activation_budget_bytes``: per stage, the
 device bytes the activations the schedule keeps may take (``null``: no bound, ``auto`` keeps
-everything); it is separate from the arena, as gradients are. ``optimizer``: where the optimizer state lives and is updated: ``device``
-(it travels with the op and is updated on the device: an fp32 op with AdamW moves 16 bytes
-per parameter each way, weights and both moments) or ``host`` (it stays in the op's host
-home and the host updates it: 4 bytes of weights per parameter go to the device, 4 of
-gradients come back, and the device copy is stale after each step, so every use fetches).
-``host`` is the default: simulated on NASPipe's space (``bench/vtm.py``, bench/RESULTS.md) it
-wins 11 of 16 settings at NASPipe's batch and is the only placement that meets both throughput
-targets at 4x and 8x over-subscription; ``device`` is better where subnets reuse many ops and
-memory is not tight, or where the host cannot update a stage's share of a subnet within a step.
+everything); it is separate from the arena, as gradients are. ``optimizer``: where the optimizer
+state lives and is updated: ``device`` (it travels with the op and is updated on the device: an
+fp32 op with AdamW moves 12 bytes per parameter each way, weights and both moments, and none while
+it stays resident), ``host`` (it stays in the op's host home and the host updates it: 4 bytes of
+weights per parameter go to the device, 4 of gradients come back, and the device copy is stale
+after each step, so every use fetches) or ``hybrid`` (per op and step, :mod:`pipeline.plan.hybrid`:
+the device's way while the next subnet reuses the op, so it stays resident and moves nothing, the
+host's way otherwise; the state comes along only where the arena has room for it, so ``hybrid``
+runs at ``host``'s budget). ``hybrid`` is the default: simulated on NASPipe's space
+(``bench/vtm.py``, bench/RESULTS.md) it is at least the better of the other two in all 28 settings
+(0.83-1.00x of all-resident, against 0.61-0.99 and 0.48-0.98).
 ``cpu_copies`` (CPU only): ``inline`` (the default) copies on the calling thread, ``thread`` on a
 background thread, the CPU stand-in for a CUDA side stream (the same control flow: handles
 waited on before use, copies in order). On a CPU both tiers are host memory, so there is no
@@ -63,7 +65,7 @@ class MemorySettings:
     activations: str = "keep"
     activation_budget_bytes: int | None = None
     host_link_bandwidth: float = 25e9
-    optimizer: str = "host"
+    optimizer: str = "hybrid"
     cpu_copies: str = "inline"
 
     @property
