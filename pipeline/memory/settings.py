@@ -28,7 +28,7 @@ the device's way while the next subnet reuses the op, so it stays resident and m
 host's way otherwise; the state comes along only where the arena has room for it, so ``hybrid``
 runs at ``host``'s budget). ``hybrid`` is the default: simulated on NASPipe's space
 (``bench/vtm.py``, bench/RESULTS.md) it is at least the better of the other two in all 28 settings
-(0.83-1.00x of all-resident, against 0.61-0.99 and 0.48-0.98).
+(0.81-1.00x of all-resident, against 0.61-0.99 for ``device`` and 0.48-0.98 for ``host``).
 ``cpu_copies`` (CPU only): ``inline`` (the default) copies on the calling thread, ``thread`` on a
 background thread, the CPU stand-in for a CUDA side stream (the same control flow: handles
 waited on before use, copies in order). On a CPU both tiers are host memory, so there is no
