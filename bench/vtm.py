@@ -14,13 +14,17 @@ Per setting (P, over-subscription, optimizer placement, host link, tokens per st
   node order, so each layer lives on one stage and nothing migrates).
 * **Budget**: per stage ``supernet bytes / (over-subscription x P)`` (supernet bytes: 16 B per
   parameter). Each stage gives it to the active ops' grads, to activations (all kept if that
-  leaves room for two steps' op state, else the least the activation plan needs) and the rest to
-  op state resident under the residency plan (``pipeline.plan.residency``).
+  leaves room for two steps' op state, an op both steps use counted once, else the least the
+  activation plan needs) and the rest to op state resident under the residency plan
+  (``pipeline.plan.residency``).
 * **Optimizer placement** (``pipeline.plan.simulate``'s doc states the physics): ``device``: an
   op travels with its AdamW moments, 12 B/param up per fetch and 12 B/param written back when a
   changed op is evicted; ``host``: 4 B/param of weights up per use, 4 B/param of grads down after
   the step's last backward, the host's AdamW update at ``--host-update`` params/s per stage (the
-  next use's fetch waits for it).
+  next use's fetch waits for it); ``hybrid`` (``pipeline.plan.hybrid``): per op and step, the
+  device's way while the next subnet (``--hybrid-gap`` steps) reuses the op, the host's way
+  otherwise (the runtime store's rule), and no more host updates per step than the host does in
+  an all-resident step's time (``limit_host``: the ops needed again soonest go to the device).
 * **Policies**, same run: ``all_resident`` (infinite memory: no copies, every activation kept),
   ``on_demand`` (synchronous fetch at the step's start, LRU), ``lru`` and ``belady`` (prefetch of
   the next step's ops during the current one, LRU or Belady eviction).
@@ -53,6 +57,7 @@ from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
+from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, limit_host, plan_hybrid, reuse_rule  # noqa: E402
 from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
@@ -85,7 +90,7 @@ def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: flo
 
 
 def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
-                host_update: float, policies=POLICIES) -> dict:
+                host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT) -> dict:
     """Simulate every policy over the subnets for one setting; the figures of one JSON line."""
     table, n = space.table, len(space.actives)
     ops = table.ops
@@ -106,18 +111,35 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     schedule = build_schedule(SCHEDULE, P, M)
 
     # the device copy of an op's state and what a use moves (pipeline.plan.simulate's doc)
-    if placement == "device":
-        size = {o: c.param_bytes + c.optim_bytes for o, c in ops.items()}  # weights + 2 moments: 12 B/param
+    weights = {o: c.param_bytes for o, c in ops.items()}  # 4 B/param
+    if placement == "host":
+        size = weights
     else:
-        size = {o: c.param_bytes for o, c in ops.items()}  # weights: 4 B/param
+        size = {o: c.param_bytes + c.optim_bytes for o, c in ops.items()}  # weights + 2 moments: 12 B/param
+    # per stage and step, the ops updated on the host (hybrid: pipeline.plan.hybrid from the known future)
+    if placement == "hybrid":
+        optim = {o: c.optim_bytes for o, c in ops.items()}
+        # the host updates at most what it can while a step runs (all-resident step time)
+        step_s = [makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n)]
+        cap = [[step_s[t] * 4 * host_update for t in range(n)] for s in range(P)]
+        on_host = [limit_host(plan_hybrid(ids[s], weights, optim, hybrid), ids[s], weights, cap[s]).on_host
+                   for s in range(P)]
+    else:
+        on_host = [tuple(frozenset(u) if placement == "host" else frozenset() for u in ids[s]) for s in range(P)]
+    use_size = [[{o: weights[o] if o in on_host[s][t] else size[o] for o in ids[s][t]} for t in range(n)]
+                for s in range(P)]
     out: dict = {"budget_per_stage_GB": budget / 1e9, "bounds": list(bounds)}
+    if placement == "hybrid":
+        out["hybrid"] = {"max_gap": hybrid.max_gap, "hold": hybrid.hold,
+                         "host_share": sum(len(h) for st in on_host for h in st) / (n * 50)}
 
     # memory split per stage: grads of the active ops, activations, then op state
     stages = []
     for s in range(P):
         grads = max(sum(ops[o].param_bytes for o in u) for u in ids[s])
-        state = [sum(size[o] for o in u) for u in ids[s]]
-        two_steps = max(a + b for a, b in zip(state, state[1:] + [0]))
+        state = [sum(u.values()) for u in use_size[s]]
+        # this step's op state and the next one's (an op both use is one copy on the device)
+        two_steps = max(sum({**a, **b}.values()) for a, b in zip(use_size[s], use_size[s][1:] + [{}]))
         inputs = [[0] + [table.out_bytes[space.actives[t][k - 1].node] for k in range(bounds[s] + 1, bounds[s + 1])]
                   for t in range(n)]
         keep = [F[s] * (sum(ops[o].act_bytes for o in ids[s][t]) + cut[s][t]) for t in range(n)]
@@ -129,7 +151,8 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     # the partitioner's memory model of the tensor manager (pipeline.plan.partition.ManagedMemory)
     # on the same split: active ops' state + grads, the least activation memory, a step's op
     # state reserved for prefetching
-    mm = ManagedMemory(placement, "auto", reserve=tuple(float(max(st["state"])) for st in stages))
+    mm = ManagedMemory("device" if placement == "hybrid" else placement, "auto",
+                       reserve=tuple(float(max(st["state"])) for st in stages))
     short = [max(0.0, max(m - budget for m in evaluate(subnet_problem(
         space.graph, act, table, P, M, SCHEDULE, link["bandwidth"], link["latency_s"], (budget,) * P, mm),
         bounds).stage_memory)) for act in space.actives]
@@ -170,12 +193,12 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     for policy in policies:
         try:
             plans = [plan_residency(ids[s], size, stages[s]["resident"], policy, prefetch_depth=1,
-                                    reuse=placement == "device") for s in range(P)]
+                                    on_host=on_host[s], host_sizes=weights) for s in range(P)]
         except ResidencyError as e:
             out[policy] = {"infeasible": str(e), "short_by_bytes": e.short_by}
             continue
         out[policy] = _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd + added / M, send, swap_bytes,
-                              placement, link_bw, host_update)
+                              placement, on_host, link_bw, host_update)
     for policy in policies:
         if "subnets_per_hour" in out.get(policy, {}):
             out[policy]["over_all_resident"] = out[policy]["subnets_per_hour"] / out["all_resident"]["subnets_per_hour"]
@@ -184,13 +207,14 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     return out
 
 
-def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes, placement, link_bw,
+def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes, placement, on_host, link_bw,
             host_update) -> dict:
-    """Replay the steps with the residency plans' copies on the host channels."""
+    """Replay the steps with the residency plans' copies on the host channels (``on_host[s][t]``:
+    the ops whose update step ``t`` runs on stage ``s``'s host)."""
     links = HostLinks((link_bw,) * P, (link_bw,) * P, (4 * host_update,) * P)  # host: param bytes/s
     future = [next_use(ids[s]) for s in range(P)]
     free = {"h2d": (0.0,) * P, "d2h": (0.0,) * P, "host": (0.0,) * P}
-    host_done: dict[str, float] = {}  # op -> absolute time its host update ends (placement "host")
+    host_done: dict[str, float] = {}  # op -> absolute time its last host update ends
     clock = total = stall = 0.0
     moved = {"h2d": 0.0, "d2h": 0.0}
     stalls = []
@@ -207,21 +231,22 @@ def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes
                 copies.append(Copy(s, "d2h", size[op], ready=0.0, label=f"writeback {op}"))
             victims = dict(st.evicted_for)
 
-            def fetch(op: str, before: Action | None) -> Copy:
-                ready = host_done.get(op, -math.inf) - clock if placement == "host" else 0.0
-                return Copy(s, "h2d", size[op], ready=max(ready, 0.0) if before is None else ready, before=before,
+            def fetch(op: str, before: Action | None, u: int) -> Copy:
+                ready = host_done.get(op, -math.inf) - clock if placement != "device" else 0.0  # after its host update
+                nbytes = ops[op].param_bytes if op in on_host[s][u] else size[op]
+                return Copy(s, "h2d", nbytes, ready=max(ready, 0.0) if before is None else ready, before=before,
                             waits_for=tuple(wb[v] for v in victims.get(op, ()) if v in wb), label=op)
 
-            copies.extend(fetch(op, first) for op in st.misses)
+            copies.extend(fetch(op, first, t) for op in st.misses)
             if swap_bytes[s, t]:  # activations out during the forwards, back before the backwards
                 copies.append(Copy(s, "d2h", swap_bytes[s, t], ready=0.0, after=first, label="swap out"))
                 copies.append(Copy(s, "h2d", swap_bytes[s, t], ready=0.0, after=first, label="swap in"))
-            copies.extend(fetch(op, None) for op in st.prefetch)
-            if placement == "host":  # per op, soonest needed first: grads down after the last backward,
-                # then the host's update (the next use's fetch waits for it)
-                for op in sorted(ids[s][t], key=lambda o: (future[s].after(o, t + 1), o)):
-                    copies.append(Copy(s, "d2h", ops[op].param_bytes, after=last, label="grads"))
-                    copies.append(Copy(s, "host", ops[op].param_bytes, waits_for=(len(copies) - 1,), label=op))
+            copies.extend(fetch(op, None, t + 1) for op in st.prefetch)
+            # ops updated on the host, soonest needed first: grads down after the last backward,
+            # then the host's update (the next use's fetch waits for it)
+            for op in sorted(st.dropped, key=lambda o: (future[s].after(o, t + 1), o)):
+                copies.append(Copy(s, "d2h", ops[op].param_bytes, after=last, label="grads"))
+                copies.append(Copy(s, "host", ops[op].param_bytes, waits_for=(len(copies) - 1,), label=op))
         links = HostLinks(links.h2d, links.d2h, links.host, free["h2d"], free["d2h"], free["host"])
         r = simulate(schedule, fwd[:, t], bwd[:, t], send, copies=copies, links=links)
         for cs in r.copies:
@@ -282,7 +307,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--oversub", type=float, nargs="+", default=[4.0, 8.0])
-    ap.add_argument("--placements", nargs="+", default=["device", "host"], choices=["device", "host"])
+    ap.add_argument("--placements", nargs="+", default=["device", "host", "hybrid"],
+                    choices=["device", "host", "hybrid"])
+    ap.add_argument("--hybrid-gap", type=int, default=1,
+                    help="hybrid: an op's state stays on the device while its next use is at most this many steps away")
     ap.add_argument("--naspipe-microbatches", type=int, nargs="+", default=[8, 16],
                     help="NASPipe's batch as bench/naspipe_planner.py runs it (micro-batches of 8 x 128 tokens): "
                          "every policy, at every link")
@@ -316,7 +344,8 @@ def main() -> None:
     rows = []
     for P, oversub, placement, link_bw, M, policies in runs:
         t1 = time.perf_counter()
-        res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies)
+        res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies,
+                          reuse_rule(args.hybrid_gap))
         b = res.get("belady", {})
         progress(f"P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: {time.perf_counter() - t1:.1f} s, "
                  f"belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "

@@ -58,8 +58,7 @@ def footprints(overrides: list[str], optimizer: str) -> tuple[int, int]:
     """(whole supernet, largest subnet) bytes in the arena, from the run's own config, with the
     optimizer state on the host or the device (``memory.optimizer``)."""
     import supernet.spaces  # noqa: F401
-    from pipeline.memory_settings import MemorySettings
-    from pipeline.tensors import TensorManager
+    from pipeline.memory import MemorySettings, TensorManager
     from search.config import build_data, build_space, load_config
 
     rc = load_config(compose(overrides))
@@ -129,9 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget-scale", type=float, default=1.0, help="budget = scale x the largest subnet")
     ap.add_argument("--cpu-copies", default="inline", choices=("thread", "inline"),
                     help="memory.cpu_copies: copies on the calling thread (the default), or a background thread")
-    ap.add_argument("--optimizer", default="host", choices=("host", "device"),
-                    help="memory.optimizer: the state stays on the host and is updated there (the default), "
-                         "or travels with its op")
+    from pipeline.memory.settings import OPTIMIZER_PLACEMENTS, MemorySettings
+
+    ap.add_argument("--optimizer", default=MemorySettings().optimizer, choices=OPTIMIZER_PLACEMENTS,
+                    help="memory.optimizer (default: the config's default): the state stays on the host and is "
+                         "updated there, travels with its op (device), or per op and step (hybrid)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():

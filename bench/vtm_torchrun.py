@@ -6,7 +6,7 @@ same invocation, alternating the order each round.
 
 The budget is ``--scale`` x the largest subnet's footprint (with the run's optimizer placement):
 below 1, no stage could hold a whole subnet, so the partitioner has to split every subnet so
-that each stage's share fits its arena (pipeline/memory_plan.py). Prints one JSON line per run
+that each stage's share fits its arena (pipeline/memory/sizing.py). Prints one JSON line per run
 (``"kind": "run"``) and a summary: the median step time of each mode (metrics.jsonl, steps after
 the first), the overhead (median of the per-round ratios and their range), training time, whether
 every run trained the same weights (``params_digest``), and rank 0's manager figures.

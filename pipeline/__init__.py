@@ -12,11 +12,9 @@ import torch
 from supernet import SupernetGraph
 
 from .engine import Engine, EvalResult, LrSchedule, StepResult
-from .memory import MemoryBudgetError, MemoryStats
-from .memory_settings import MemorySettings
+from .memory import MemoryBudgetError, MemorySettings, MemoryStats, OptimConfig, TensorManager, params_digest
 from .reference import ReferenceEngine
 from .settings import DistEnv, PipelineSettings, dist_env
-from .tensors import OptimConfig, TensorManager, params_digest
 
 __all__ = [
     "DistEnv", "Engine", "EvalResult", "LrSchedule", "MemoryBudgetError", "MemorySettings", "MemoryStats",

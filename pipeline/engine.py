@@ -134,7 +134,7 @@ def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequenc
 
 def activation_policy(choices: Mapping[str, str] | None) -> ActivationPolicy | None:
     """The policy that runs a slice's ops under ``choices`` (op id -> keep | swap | recompute,
-    what :meth:`pipeline.memory_plan.MemoryModel.activation_choices` planned; None: keep all)."""
+    what :meth:`pipeline.memory.sizing.MemoryModel.activation_choices` planned; None: keep all)."""
     if not choices or all(c == "keep" for c in choices.values()):
         return None
     return ActivationPolicy(choices)

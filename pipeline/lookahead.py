@@ -18,7 +18,7 @@ import torch
 
 from supernet import Arch, Slice, SupernetGraph, build_op, cut
 
-from .memory_plan import MemoryModel, arena_error, check_fits
+from .memory.sizing import MemoryModel, arena_error, check_fits
 from .plan.admission import SubnetWork, in_flight_bound
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .plan.partition import Partition, PartitionError

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .plan.placement import Move, moves
-from .tensors import TensorManager
+from .memory import TensorManager
 from .transport import Transport
 
 __all__ = ["Migrator", "MigrationStats"]

@@ -23,11 +23,10 @@ from supernet.execute import whole_slice
 
 from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, lookahead,
                      recalibrated_bn, split_batch, update)
-from .memory_plan import MemoryModel
-from .memory_settings import MemorySettings
+from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
+from .memory.errors import budget_error
 from .plan.costs import CostTable, analytic_costs, subnet_problem
 from .plan.schedule import one_f_one_b
-from .tensors import OptimConfig, TensorManager
 from .shared import SharedOps, shared_ops_of
 from .trace import Span, Tracer
 
@@ -72,12 +71,7 @@ class ReferenceEngine:
         """The largest subnet (the biggest candidate of every slot, and the fixed ops) must fit."""
         need, budget = self.tensors.largest_subnet_footprint(), self.tensors.stats().budget_bytes
         if need > budget:
-            from .memory import MemoryBudgetError
-
-            raise MemoryBudgetError(
-                f"memory.device_budget_bytes: the largest subnet of {self.graph.name!r} needs {need} bytes of "
-                f"weights, buffers and optimizer state resident, but the budget is {budget} bytes: short by "
-                f"{need - budget} bytes; raise memory.device_budget_bytes to at least {need}", need, budget)
+            raise budget_error(f"the largest subnet of {self.graph.name!r}", need, budget)
 
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
         """Remember the next subnets' ops: the next ``train_step`` hands them to the tensor

@@ -43,7 +43,7 @@ from .engine import (EvalResult, LrSchedule, StepInput, StepResult, activation_p
                      lookahead, split_batch, update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
-from .memory_plan import MemoryModel
+from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
@@ -54,8 +54,6 @@ from .cross import CrossExecutor, Segment
 from .plan.admission import cross_subnet
 from .shared import SharedOps, shared_ops_of
 from .stage import StageExecutor
-from .memory_settings import MemorySettings
-from .tensors import OptimConfig, TensorManager
 from .trace import Span, Tracer
 from .transport import Transport
 
@@ -180,7 +178,7 @@ class PipelineEngine:
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)
         # ``memory``: with a device budget this stage's ops live in host memory behind a bounded
-        # device arena, fetched ahead from the plans of the coming steps (pipeline/tensors.py)
+        # device arena, fetched ahead from the plans of the coming steps (pipeline/memory/)
         self.tensors = TensorManager(graph, seed, optim, self.device,
                                      own=[op for op, s in self.owners.items() if s == me], memory=memory)
         self.stats = StepStats()

@@ -78,7 +78,7 @@ def arch_stream(graph, seed: int, n: int, sampler: str = "random"):
 
 def make_engine(sc: Scenario, graph, env=None):
     from pipeline import LrSchedule, OptimConfig, PipelineSettings, create_engine
-    from pipeline.memory_settings import MemorySettings
+    from pipeline.memory import MemorySettings
 
     optim = OptimConfig(name=sc.optimizer, lr=0.05 if sc.optimizer == "sgd" else 3e-3, momentum=0.9, weight_decay=1e-4)
     lr = LrSchedule(optim.lr, sc.steps, "cosine", warmup_steps=1)
@@ -101,6 +101,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
     resident_peak, evictions, swapped, recomputed, overlapped = 0, 0, 0, 0, 0
+    hits, host_updates = 0, 0
     end = sc.steps if sc.stop is None else sc.stop
 
     def results():
@@ -128,6 +129,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         overlapped = max(overlapped, getattr(getattr(engine, "stats", None), "overlapped", 0))
         if r.memory is not None:
             resident_peak, evictions = max(resident_peak, r.memory.resident_bytes_peak), evictions + r.memory.evictions
+            hits, host_updates = hits + r.memory.hits, host_updates + r.memory.host_updates
     evals = []
     for i in range(sc.eval_archs):
         xv, yv = step_data(sc.seed + 7, i, sc.batch)
@@ -142,7 +144,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
-        "swapped": swapped, "recomputed": recomputed, "overlapped": overlapped, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "swapped": swapped, "recomputed": recomputed, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
@@ -169,8 +171,9 @@ def _worker() -> None:
         dist.all_gather_object(peaks, engine.stats.max_in_flight)
         res["peak_in_flight"] = peaks
         mem: list = [None] * world
-        dist.all_gather_object(mem, (res["resident_peak"], res["evictions"], res["swapped"], res["recomputed"]))
-        for k, key in enumerate(("resident_peak", "evictions", "swapped", "recomputed")):
+        gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates")
+        dist.all_gather_object(mem, tuple(res[key] for key in gathered))
+        for k, key in enumerate(gathered):
             res[key] = [m[k] for m in mem]
         results.append(res)
     if rank == 0:

@@ -48,3 +48,15 @@ def test_hide_threshold_reads_the_sweep(space) -> None:
     assert th["hidden_from_tokens_per_step"] in (1024, 8192, None)
     if th["sweep"][0]["stall_share"] > 0.05:
         assert th["hidden_from_tokens_per_step"] != 1024
+
+
+@pytest.mark.parametrize("oversub", [4.0, 8.0])
+def test_hybrid_is_at_least_the_better_placement(space, oversub: float) -> None:
+    r = {pl: run_setting(space, 4, 8, oversub, pl, 25e9, 1.5e9, ("belady",)) for pl in ("device", "host", "hybrid")}
+    hyb = r["hybrid"]["belady"]
+    assert hyb["subnets_per_hour"] >= max(r[pl]["belady"]["subnets_per_hour"] for pl in ("device", "host"))
+    assert hyb["subnets_per_hour"] <= r["hybrid"]["all_resident"]["subnets_per_hour"] * (1 + 1e-9)
+    # ops the next subnet reuses stay on the device (hits); the rest are updated on the host
+    assert hyb["hit_rate"] > 0 and 0 < r["hybrid"]["hybrid"]["host_share"] < 1
+    assert hyb["hit_rate"] + hyb["prefetched_share"] + hyb["miss_share"] == pytest.approx(1.0)
+    assert hyb["peak_resident_GB"] * 1e9 <= max(st["resident"] for st in r["hybrid"]["stage_memory_GB"]) * 1e9 + 1e6

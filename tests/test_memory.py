@@ -4,14 +4,16 @@ written back."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
 
 from distributed import arch_stream, build_graph, step_data
 from pipeline import LrSchedule, MemoryBudgetError, MemorySettings, OptimConfig, ReferenceEngine, params_digest
-from pipeline.memory_arena import Arena, OpLayout
-from pipeline.tensors import TensorManager
+from pipeline.memory import TensorManager
+from pipeline.memory.arena import Arena
+from pipeline.memory.state import OpLayout
 from supernet import OpContext, OpSpec, SupernetGraph
 
 STEPS = 5
@@ -104,6 +106,25 @@ def test_the_host_updated_optimizer_computes_the_same_bits(space: str, optim: st
         assert not a.stray, a.stray
     assert got["stats"].resident_bytes_peak < device_only  # the optimizer state takes no device room
     assert all(st.evictions >= 1 for st in got["steps"])  # the step's ops leave the device
+
+
+@pytest.mark.parametrize("space, optim", [("transformer", "adamw"), ("conv", "sgd"), ("cell", "adamw")])
+def test_the_hybrid_placement_computes_the_same_bits(space: str, optim: str, no_static_check) -> None:
+    """Hybrid: an op the next subnet reuses keeps its state on the device (a hit next step),
+    the others are updated on the host; at the host placement's tightest budget too (the state
+    then stays home where there is no room for it), and the bits do not change."""
+    ref = run(space, optim, None)
+    for optimizer in ("device", "host"):  # room for the state of the step's ops, or only their weights
+        budget = tight_budget(space, optim, optimizer=optimizer)
+        got = run(space, optim, MemorySettings(device_budget_bytes=budget, optimizer="hybrid"), audit=True)
+        for key in ("losses", "mb", "eval", "digest"):
+            assert got[key] == ref[key], f"{space}/{optim}: {key} differs with the hybrid placement ({optimizer} budget)"
+        for a in got["audits"]:
+            assert not a.stray, a.stray
+        st = got["stats"]
+        assert st.host_updates > 0 and st.resident_bytes_peak <= budget
+        if optimizer == "device":
+            assert st.hits > 0 and st.write_backs > 0  # kept on the device for the next subnet, then sent home
 
 
 def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
@@ -362,7 +383,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 def test_cuda_copier_orders_copies_after_compute_and_compute_after_copies(fake_cuda: list) -> None:
-    from pipeline.memory_arena import CudaCopier
+    from pipeline.memory.copies import CudaCopier
 
     copier = CudaCopier(torch.device("cuda"))
     src, dst = torch.arange(8.0), torch.zeros(8)
@@ -380,7 +401,7 @@ def test_cuda_copier_orders_copies_after_compute_and_compute_after_copies(fake_c
 def test_the_store_waits_for_every_fetch_through_cuda_handles(fake_cuda: list, no_static_check) -> None:
     """The whole manager driven through the CUDA copier (stand-ins): every fetch's event is
     waited on by the compute stream before the op is used, and the bits are unchanged."""
-    from pipeline.memory_arena import CudaCopier
+    from pipeline.memory.copies import CudaCopier
 
     events: list[_FakeEvent] = []
     real_event = torch.cuda.Event
@@ -525,3 +546,29 @@ def test_resuming_from_op_states_with_a_budget_continues_the_same_bits(no_static
     assert got == ref
     assert params_digest(second.op_states()) == params_digest(plain.op_states())
     second.close()
+
+
+@pytest.mark.parametrize("policy", ["belady", "lru", "on_demand"])
+def test_the_runtime_store_and_the_offline_plan_fetch_alike(policy: str) -> None:
+    """One policy object serves both: on unit-size traces without prefetch ahead, the store's
+    fetches equal the residency plan's (for Belady: the exhaustive optimum, tests/test_residency.py)."""
+    from pipeline.plan.residency import plan_residency
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        n_ops, cache = rng.randint(3, 8), rng.randint(2, 4)
+        g = SupernetGraph("unit")
+        for k in range(n_ops):
+            g.add_fixed(f"o{k}", OpSpec.of("mlp", d=8, hidden=16), ["input"])
+        ids = [s.op_id for s in g.slots()]
+        trace = [tuple(rng.sample(ids, rng.randint(1, 2))) for _ in range(rng.randint(4, 12))]
+        one = TensorManager(g, 0, optim_of("sgd"), memory=MemorySettings(optimizer="device")).footprint(ids[:1])
+        tm = TensorManager(g, 0, optim_of("sgd"), own=ids, memory=MemorySettings(
+            device_budget_bytes=cache * one, policy=policy, prefetch_depth=0, optimizer="device"))
+        for t in range(len(trace)):
+            tm.prefetch([set(s) for s in trace[t:]])
+            tm.ensure(trace[t])
+            tm.release_step()
+        plan = plan_residency(trace, {o: 1 for o in ids}, cache, policy, prefetch_depth=0)
+        assert tm.stats().fetches == plan.fetches, (seed, trace)
+        tm.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import Scenario, run_scenario, spawn
-from pipeline.tensors import TensorManager
+from pipeline.memory import TensorManager
 from test_memory import tight_budget
 
 pytestmark = pytest.mark.dist
@@ -40,12 +40,16 @@ def reference(i: int) -> dict:
     return res
 
 
+@pytest.mark.parametrize("optimizer", ["host", "hybrid"])
 @pytest.mark.parametrize("stages", [2, 3])
-def test_budgeted_stages_compute_the_reference_bits_within_their_budget(stages: int) -> None:
-    scenarios = [budgeted(sc, stages) for sc in PLAIN]
+def test_budgeted_stages_compute_the_reference_bits_within_their_budget(stages: int, optimizer: str) -> None:
+    scenarios = [Scenario(**{**sc.__dict__, "memory": {**sc.memory, "optimizer": optimizer}})
+                 for sc in (budgeted(sc, stages) for sc in PLAIN)]
     results, _, _ = spawn(stages, scenarios, timeout_s=300)
     for i, (sc, got) in enumerate(zip(scenarios, results)):
-        ref, label = reference(i), f"{sc.space}/{sc.schedule}/{sc.optimizer} P={stages}"
+        ref, label = reference(i), f"{sc.space}/{sc.schedule}/{sc.optimizer} P={stages} {optimizer}"
+        if optimizer == "hybrid":  # ops the next subnet reuses stay on the device, the others are host-updated
+            assert sum(got["host_updates"]) > 0 and sum(got["hits"]) > 0, f"{label}: both placements should be used"
         assert got["losses"] == ref["losses"] and got["mb_losses"] == ref["mb_losses"], f"{label}: losses differ"
         assert got["evals"] == ref["evals"], f"{label}: evaluations differ"
         assert got["digest"] == ref["digest"], f"{label}: params_digest differs"
@@ -95,7 +99,7 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
     from distributed import arch_stream, build_graph, step_data
     from pipeline import MemorySettings, PipelineSettings
     from pipeline.lookahead import LookaheadPlanner
-    from pipeline.memory_plan import MemoryModel
+    from pipeline.memory import MemoryModel
     from pipeline.plan.placement import initial_owners, stages_of
     from test_memory import optim_of
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.tensors import OptimConfig, TensorManager, params_digest
+from pipeline.memory import OptimConfig, TensorManager, params_digest
 from supernet import OpContext, OpSpec, SupernetGraph
 
 

@@ -8,18 +8,12 @@ future into a :class:`ResidencyPlan` — data, step by step: what is fetched (on
 of the step, or ahead, during it), what is evicted (and written back when dirty), hits, misses and
 the peak resident bytes — which the runtime executes and :mod:`pipeline.plan.simulate` times.
 
-Policies (``policy=``):
-
-* ``belady``: evict the resident op whose next use is furthest away (never one the current step
-  needs, and never, when prefetching, one needed no later than the op being fetched). Prefetch
-  the ops of the next ``prefetch_depth`` steps in order of use while such a victim exists, at
-  most ``max_copies`` fetches ahead per step. With unit sizes and no prefetch this is Belady's
-  MIN, which is optimal (tests check it against exhaustive search); with mixed sizes it is the
-  usual heuristic (optimal caching with sizes is NP-hard).
-* ``lru``: the same prefetch, evicting the least recently used op (the future is used only to
-  know what to fetch, not what to keep).
-* ``on_demand``: no prefetch; a step's missing ops are fetched synchronously at its start, LRU
-  eviction.
+Policies (``policy=``) are the objects of :mod:`pipeline.memory.policy`, the same ones the
+runtime store asks, so the plan and the run evict alike: ``belady`` (furthest next use; with
+unit sizes and no prefetch Belady's MIN, optimal; with mixed sizes the usual heuristic, as
+optimal caching with sizes is NP-hard), ``lru`` and ``on_demand`` (no prefetch). The ops of the
+next ``prefetch_depth`` steps are fetched ahead, in order of use, while the policy finds a
+victim (never one the current step needs), at most ``max_copies`` fetches ahead per step.
 
 Per step the plan reports, for every op the step needs, whether it was a *hit* (resident from an
 earlier use or left there), *prefetched* (fetched ahead for this use) or a *miss* (fetched on
@@ -30,14 +24,14 @@ each use (the optimizer runs on the host): it is dropped when its step ends, so 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["POLICIES", "ResidencyError", "StepResidency", "ResidencyPlan", "NextUse", "next_use", "plan_residency"]
+from ..memory.policy import NEVER, POLICIES, Candidate, policy_named
 
-POLICIES = ("belady", "lru", "on_demand")
+__all__ = ["NEVER", "ResidencyError", "StepResidency", "ResidencyPlan", "NextUse", "next_use", "plan_residency"]
+
 _MIB = float(2**20)
-NEVER = float("inf")
 
 
 class ResidencyError(ValueError):
@@ -128,7 +122,8 @@ def next_use(uses: Sequence[Iterable[str]]) -> NextUse:
 
 
 def _check(uses: Sequence[Iterable[str]], sizes: Mapping[str, int], budget: int, policy: str,
-           prefetch_depth: int, max_copies: int | None) -> list[tuple[str, ...]]:
+           prefetch_depth: int, max_copies: int | None, host_sizes: Mapping[str, int],
+           on_host: Sequence[Collection[str]] | None) -> list[tuple[str, ...]]:
     if policy not in POLICIES:
         raise ResidencyError(f"policy: expected one of {list(POLICIES)}, found {policy!r}")
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
@@ -138,14 +133,20 @@ def _check(uses: Sequence[Iterable[str]], sizes: Mapping[str, int], budget: int,
     if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1):
         raise ResidencyError(f"max_copies: expected a positive int or None, found {max_copies!r}")
     trace = [tuple(dict.fromkeys(ops)) for ops in uses]
-    for t, ops in enumerate(trace):
-        for op in ops:
-            size = sizes.get(op)
-            if size is None:
-                raise ResidencyError(f"uses[{t}]: op {op!r} has no entry in sizes; expected every used op sized")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ResidencyError(f"sizes[{op!r}]: expected a non-negative int (bytes), found {size!r}")
-    need = [sum(sizes[op] for op in ops) for ops in trace]
+    if on_host is not None and len(on_host) != len(trace):
+        raise ResidencyError(f"on_host: expected one op set per step ({len(trace)}), found {len(on_host)}")
+    for name, table in (("sizes", sizes), ("host_sizes", host_sizes)):
+        for t, ops in enumerate(trace):
+            for op in ops:
+                if table is host_sizes and (on_host is None or op not in on_host[t]):
+                    continue
+                size = table.get(op)
+                if size is None:
+                    raise ResidencyError(f"uses[{t}]: op {op!r} has no entry in {name}; expected every used op sized")
+                if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                    raise ResidencyError(f"{name}[{op!r}]: expected a non-negative int (bytes), found {size!r}")
+    need = [sum(host_sizes[op] if on_host is not None and op in on_host[t] else sizes[op] for op in ops)
+            for t, ops in enumerate(trace)]
     if need and max(need) > budget:
         t = max(range(len(need)), key=need.__getitem__)
         short = need[t] - budget
@@ -167,6 +168,8 @@ def plan_residency(
     reuse: bool = True,
     dirty_on_use: bool = True,
     resident: Iterable[str] = (),
+    on_host: Sequence[Collection[str]] | None = None,
+    host_sizes: Mapping[str, int] | None = None,
 ) -> ResidencyPlan:
     """Plan one stage's residency over the trace ``uses`` (per step, the op ids it needs).
 
@@ -177,40 +180,53 @@ def plan_residency(
     so evicting it writes it back; ``reuse=False``: a used op's device copy is stale when its step
     ends (the update ran on the host) and is dropped then. ``resident``: ops already on the device
     at the start (clean; they must fit in the budget).
+
+    ``on_host`` (per step, the ops whose update that step runs on the host: the hybrid placement
+    of :mod:`pipeline.plan.hybrid`) with ``host_sizes`` (their bytes on the device then, weights
+    only): such a use fetches ``host_sizes[op]`` and drops the copy when the step ends, as with
+    ``reuse=False``; every other use is updated on the device. An op still resident from a
+    device-updated use is a hit whatever ``on_host`` says: it is updated on the device again.
     """
-    trace = _check(uses, sizes, budget, policy, prefetch_depth, max_copies)
+    if not reuse:  # every use updated on the host
+        on_host, host_sizes = [tuple(ops) for ops in uses], sizes
+    host_sizes = host_sizes if host_sizes is not None else {}
+    trace = _check(uses, sizes, budget, policy, prefetch_depth, max_copies, host_sizes, on_host)
+    rule = policy_named(policy)
     future = next_use(trace)
-    depth = 0 if policy == "on_demand" else prefetch_depth
-    res: dict[str, None] = {}          # resident ops, least recently used first (dict keeps order)
+    depth = prefetch_depth if rule.prefetches else 0
+    res: dict[str, int] = {}           # resident ops -> their bytes, least recently used first (dict keeps order)
+    stale: set[str] = set()            # resident for a use updated on the host: dropped when that step ends
     dirty: set[str] = set()
     ahead: set[str] = set()            # prefetched and not used yet
     used_bytes = 0
     for op in dict.fromkeys(resident):
         if op not in sizes:
             raise ResidencyError(f"resident: op {op!r} has no entry in sizes")
-        res[op] = None
+        res[op] = sizes[op]
         used_bytes += sizes[op]
     if used_bytes > budget:
         raise ResidencyError(f"resident: the ops given as resident take {used_bytes} bytes, over the budget "
                              f"of {budget} bytes by {used_bytes - budget}", short_by=used_bytes - budget)
+    if not reuse:
+        stale.update(res)
 
-    def victim(t: int, pinned: set[str], fetch_use: float) -> str | None:
-        """The op to evict for a fetch needed at ``fetch_use`` during step ``t`` (None: no candidate)."""
-        if policy == "belady":
-            best, best_use = None, fetch_use
-            for op in res:  # LRU order breaks ties towards the least recently used
-                if op in pinned:
-                    continue
-                u = future.after(op, t)
-                if u > best_use:
-                    best, best_use = op, u
-            return best
-        for op in res:  # lru / on_demand: the least recently used unpinned op, not one fetched ahead
-            if op not in pinned and op not in ahead:
-                return op
-        if fetch_use == NEVER:  # a demand fetch may take the space of an op fetched ahead
-            return next((op for op in res if op not in pinned), None)
-        return None
+    def size_for(u: int, op: str) -> int:
+        """The bytes a fetch of ``op`` for its use at step ``u`` brings (it is not resident)."""
+        return host_sizes[op] if on_host is not None and op in on_host[u] else sizes[op]
+
+    def victim(t: int, pinned: set[str], fetch_use: float | None) -> str | None:
+        """The op to evict for a fetch needed at ``fetch_use`` (None: on demand) during step ``t``."""
+        v = rule.victim((Candidate(op, future.after(op, t), op in ahead) for op in res if op not in pinned), fetch_use)
+        return None if v is None else v.op_id
+
+    def place(op: str, u: int) -> int:
+        nonlocal used_bytes
+        n = res[op] = size_for(u, op)
+        if on_host is not None and op in on_host[u]:
+            stale.add(op)
+        used_bytes += n
+        totals["fetched"] += n
+        return n
 
     steps: list[StepResidency] = []
     totals = dict(hits=0, prefetched=0, misses=0, fetched=0, written=0, peak=used_bytes)
@@ -224,9 +240,9 @@ def plan_residency(
 
         def drop(op: str) -> None:
             nonlocal used_bytes
-            del res[op]
+            used_bytes -= res.pop(op)
             ahead.discard(op)
-            used_bytes -= sizes[op]
+            stale.discard(op)
             evict.append(op)
             if op in dirty:
                 dirty.discard(op)
@@ -237,23 +253,20 @@ def plan_residency(
         evicted_for: list[tuple[str, tuple[str, ...]]] = []
         for op in miss:
             made: list[str] = []
-            while used_bytes + sizes[op] > budget:
-                v = victim(t, pinned, NEVER) if policy != "belady" else victim(t, pinned, -1.0)
+            while used_bytes + size_for(t, op) > budget:
+                v = victim(t, pinned, None)
                 if v is None:  # unreachable: _check proved the step's ops fit
                     raise ResidencyError(f"step {t}: no op to evict for {op!r}")
                 drop(v)
                 made.append(v)
             if made:
                 evicted_for.append((op, tuple(made)))
-            res[op] = None
-            used_bytes += sizes[op]
-            totals["fetched"] += sizes[op]
+            place(op, t)
         demand_evict = tuple(evict)
         for op in need:  # used now: most recently used, and dirty once updated on the device
-            res.pop(op, None)
-            res[op] = None
+            res[op] = res.pop(op)
             ahead.discard(op)
-            if dirty_on_use and reuse:
+            if dirty_on_use and op not in stale:
                 dirty.add(op)
         peak = used_bytes
 
@@ -265,42 +278,38 @@ def plan_residency(
                 if op in res or (max_copies is not None and len(prefetch) >= max_copies):
                     continue
                 keep = pinned | set(prefetch) | {op}
-                if policy != "belady":  # the prefetcher knows which step it fetches for
+                if rule.spares_fetched_step:
                     keep |= set(trace[u])
+                n = size_for(u, op)
                 victims, free = [], budget - used_bytes
-                while free < sizes[op]:  # choose every victim first: evict only if the fetch fits
+                while free < n:  # choose every victim first: evict only if the fetch fits
                     v = victim(t, keep | set(victims), float(u))
                     if v is None:
                         break
                     victims.append(v)
-                    free += sizes[v]
+                    free += res[v]
                 # Stop looking ahead when there is no room without evicting something needed
-                # sooner, or (Belady, beyond the next step) when one of this step's ops, which
-                # become candidates once it ends, is used later than a victim: fetching now would
-                # cost a fetch more than fetching then.
-                room = free >= sizes[op] and not (
-                    policy == "belady" and u > t + 1 and victims
-                    and min(future.after(v, t + 1) for v in victims) < max(future.after(p, t + 1) for p in need))
+                # sooner, or when the policy would rather wait for this step's ops to become
+                # candidates (they do once it ends).
+                room = free >= n and rule.fetch_ahead_pays(
+                    u - t, (future.after(v, t + 1) for v in victims), (future.after(p, t + 1) for p in need))
                 if not room:
                     break
                 for v in victims:
                     drop(v)
                 if victims:
                     evicted_for.append((op, tuple(victims)))
-                res[op] = None
+                place(op, u)
                 ahead.add(op)
-                used_bytes += sizes[op]
-                totals["fetched"] += sizes[op]
                 prefetch.append(op)
                 peak = max(peak, used_bytes)
             if not room:
                 break
-        dropped: tuple[str, ...] = ()
-        if not reuse:  # the host updates them after the step: the device copies are stale
-            dropped = need
-            for op in need:
-                res.pop(op, None)
-                used_bytes -= sizes[op]
+        # the host updates these after the step: their device copies are stale
+        dropped = tuple(op for op in need if op in stale)
+        for op in dropped:
+            used_bytes -= res.pop(op)
+            stale.discard(op)
         totals["hits"] += len(hits)
         totals["prefetched"] += len(pre)
         totals["misses"] += len(miss)

@@ -7,9 +7,10 @@ manager starts (CUDA only; at most one of the two).
 ``host_memory``: where non-resident ops live: ``pageable``, ``pinned`` (page-locked, what
 makes host-to-device copies asynchronous and fast on CUDA) or ``shared`` (shared memory, so
 other processes on the machine can map it). ``policy``: what is evicted and when ops are
-fetched: ``belady`` (evict the op whose next use in the known future is furthest away,
-prefetch from the lookahead), ``lru`` (prefetch from the lookahead, evict the least recently
-used op) or ``on_demand`` (no prefetch: fetch synchronously when used, evict LRU).
+fetched (:mod:`pipeline.memory.policy`): ``belady`` (evict the op whose next use in the known
+future is furthest away, prefetch from the lookahead), ``lru`` (prefetch from the lookahead,
+evict the least recently used op) or ``on_demand`` (no prefetch: fetch synchronously when used,
+evict LRU).
 ``prefetch_depth``: how many future steps the manager fetches ahead (as the budget allows).
 ``max_in_flight``: copies in flight at once. ``activations``: where each op's saved activations
 wait for its backward (``keep``, ``swap``, ``recompute`` for every op, or ``auto``: a keep/swap/
@@ -17,15 +18,17 @@ recompute choice per op, planned with each partition by :mod:`pipeline.plan.acti
 a stage's kept activations fit ``activation_budget_bytes`` at the least added time; swaps are
 priced at ``host_link_bandwidth`` bytes/s each way). ``activation_budget_bytes``: per stage, the
 device bytes the activations the schedule keeps may take (``null``: no bound, ``auto`` keeps
-everything); it is separate from the arena, as gradients are. ``optimizer``: where the optimizer state lives and is updated: ``device``
-(it travels with the op and is updated on the device: an fp32 op with AdamW moves 16 bytes
-per parameter each way, weights and both moments) or ``host`` (it stays in the op's host
-home and the host updates it: 4 bytes of weights per parameter go to the device, 4 of
-gradients come back, and the device copy is stale after each step, so every use fetches).
-``host`` is the default: simulated on NASPipe's space (``bench/vtm.py``, bench/RESULTS.md) it
-wins 11 of 16 settings at NASPipe's batch and is the only placement that meets both throughput
-targets at 4x and 8x over-subscription; ``device`` is better where subnets reuse many ops and
-memory is not tight, or where the host cannot update a stage's share of a subnet within a step.
+everything); it is separate from the arena, as gradients are. ``optimizer``: where the optimizer
+state lives and is updated: ``device`` (it travels with the op and is updated on the device: an
+fp32 op with AdamW moves 12 bytes per parameter each way, weights and both moments, and none while
+it stays resident), ``host`` (it stays in the op's host home and the host updates it: 4 bytes of
+weights per parameter go to the device, 4 of gradients come back, and the device copy is stale
+after each step, so every use fetches) or ``hybrid`` (per op and step, :mod:`pipeline.plan.hybrid`:
+the device's way while the next subnet reuses the op, so it stays resident and moves nothing, the
+host's way otherwise; the state comes along only where the arena has room for it, so ``hybrid``
+runs at ``host``'s budget). ``hybrid`` is the default: simulated on NASPipe's space
+(``bench/vtm.py``, bench/RESULTS.md) it is at least the better of the other two in all 28 settings
+(0.81-1.00x of all-resident, against 0.61-0.99 for ``device`` and 0.48-0.98 for ``host``).
 ``cpu_copies`` (CPU only): ``inline`` (the default) copies on the calling thread, ``thread`` on a
 background thread, the CPU stand-in for a CUDA side stream (the same control flow: handles
 waited on before use, copies in order). On a CPU both tiers are host memory, so there is no
@@ -39,12 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .policy import POLICIES
+
 __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZER_PLACEMENTS"]
 
 HOST_MEMORY = ("pageable", "pinned", "shared")
-POLICIES = ("belady", "lru", "on_demand")
 ACTIVATIONS = ("keep", "swap", "recompute", "auto")
-OPTIMIZER_PLACEMENTS = ("device", "host")
+OPTIMIZER_PLACEMENTS = ("device", "host", "hybrid")
 CPU_COPIES = ("thread", "inline")
 
 
@@ -61,8 +65,14 @@ class MemorySettings:
     activations: str = "keep"
     activation_budget_bytes: int | None = None
     host_link_bandwidth: float = 25e9
-    optimizer: str = "host"
+    optimizer: str = "hybrid"
     cpu_copies: str = "inline"
+
+    @property
+    def state_can_stay_home(self) -> bool:
+        """Whether an op can run with its optimizer state in its host home (``host``, ``hybrid``):
+        the arena must hold at least its weights and buffers, not its state."""
+        return self.optimizer != "device"
 
     @property
     def virtual(self) -> bool:

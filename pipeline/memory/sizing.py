@@ -1,5 +1,8 @@
-"""What the memory settings mean to planning: the partitioner's model of each stage's device
-arena, and each stage's keep/swap/recompute choice per op.
+"""Sizing: the bytes each op takes in a device arena, and what the settings mean to planning.
+
+:func:`footprints` sizes ops from their specs (a meta build, no real weights): the aligned
+layout of weights, buffers and, unless the optimizer runs on the host, optimizer state; the
+tensor manager, the engines' start-up check and the benches all ask it.
 
 With a device budget (``memory.device_budget_bytes``) a stage's ops live in host memory and
 only the ops of the step (and what is fetched ahead) sit in its arena, so a split fits when
@@ -14,15 +17,42 @@ same choice, ahead of the step, with the partition.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .memory import MemoryBudgetError
-from .memory_settings import MemorySettings
-from .plan.activations import ActivationError, stage_activation_plan
-from .plan.partition import ManagedMemory, Partition, PartitionProblem
+import torch
 
-__all__ = ["MemoryModel", "check_fits", "arena_error"]
+from supernet import OpSpec, SupernetGraph, build_op
+
+from ..plan.activations import ActivationError, stage_activation_plan
+from ..plan.partition import ManagedMemory, Partition, PartitionProblem
+from .errors import MemoryBudgetError, budget_error
+from .settings import MemorySettings
+from .state import op_layout
+
+__all__ = ["footprints", "largest_subnet_footprint", "MemoryModel", "check_fits", "arena_error"]
+
+
+def footprints(spec_of: Callable[[str], OpSpec], op_ids: Iterable[str], seed: int, state_keys: Sequence[str],
+               align: int, optim_on_host: bool) -> dict[str, int]:
+    """Per op, the bytes it takes in an arena (aligned weights, buffers and, unless
+    ``optim_on_host``, optimizer state), from its spec without building real weights."""
+    out = {}
+    for op_id in op_ids:
+        with torch.device("meta"):
+            module = build_op(spec_of(op_id), op_id, seed, seeded=False)
+        layout = op_layout(module, state_keys, align)
+        out[op_id] = layout.weights_nbytes if optim_on_host else layout.nbytes
+    return out
+
+
+def largest_subnet_footprint(graph: SupernetGraph, sizes: Mapping[str, int]) -> int:
+    """Bytes the largest subnet takes in the arena: every slot's biggest candidate, and the
+    fixed ops (the least budget with which any subnet of the supernet can run in one process)."""
+    by_node: dict[str, int] = {}
+    for slot in graph.slots():
+        by_node[slot.node] = max(by_node.get(slot.node, 0), sizes[slot.op_id])
+    return sum(by_node.values())
 
 
 @dataclass(frozen=True)
@@ -45,7 +75,7 @@ class MemoryModel:
         """The partitioner's memory model (None without a budget)."""
         if self.arena_bytes is None:
             return None
-        return ManagedMemory(self.settings.optimizer, arena=self.footprint)
+        return ManagedMemory("host" if self.settings.state_can_stay_home else "device", arena=self.footprint)
 
     def budgets(self) -> tuple[float, ...] | None:
         return None if self.arena_bytes is None else tuple(float(b) for b in self.arena_bytes)
@@ -85,9 +115,8 @@ def arena_error(model: MemoryModel, part: Partition, what: str) -> MemoryBudgetE
     """The error for a split that overflows a stage's arena: where, by how much, and what helps."""
     over = [m - b for m, b in zip(part.stage_memory, model.arena_bytes)]
     s = max(range(len(over)), key=over.__getitem__)
-    need, arena = part.stage_memory[s], model.arena_bytes[s]
-    hint = "" if model.settings.optimizer == "host" else ", or keep the optimizer state on the host (memory.optimizer=host)"
-    return MemoryBudgetError(
-        f"memory.device_budget_bytes: {what}, bounds {part.bounds}, needs {need} bytes of weights, buffers and "
-        f"optimizer state for the active ops of stage {s}, but its arena is {arena} bytes: short by {need - arena} "
-        f"bytes; raise memory.device_budget_bytes by at least that, use more stages{hint}", need, arena)
+    hints = ["use more stages"]
+    if not model.settings.state_can_stay_home:
+        hints.append("keep the optimizer state on the host (memory.optimizer=host)")
+    return budget_error(f"{what}, bounds {part.bounds}, the active ops of stage {s}",
+                        int(part.stage_memory[s]), int(model.arena_bytes[s]), hints)
