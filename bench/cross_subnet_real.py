@@ -95,11 +95,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--delay", type=int, default=1)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--comparisons", nargs="+", default=["over_flush", "vs_one_process"],
+                    choices=["over_flush", "vs_one_process"])
     args = ap.parse_args(argv)
-    P, M = 2, args.microbatches
+    M = args.microbatches
     base = ["threads=1", "sampler=fair", f"train.steps={args.steps}", "train.checkpoint_every=0",
             f"train.microbatches={M}", *QUICK_SEARCH]
     cross = [f"pipeline.window={args.window}", "pipeline.shared_ops=delayed", f"pipeline.shared_delay={args.delay}"]
+    if "over_flush" in args.comparisons:
+        over_flush(base, cross, args)
+    if "vs_one_process" in args.comparisons:
+        vs_one_process(base, cross, args)
+
+
+def over_flush(base: list[str], cross: list[str], args: argparse.Namespace) -> None:
+    P, M = 2, args.microbatches
     runs = compare("over_flush", {"flushed": (base, P), "cross": ([*base, *cross], P)}, args.rounds)
     med, rng = ratio(runs, "cross", "flushed")
     print(json.dumps({
@@ -111,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         "same_digest_each_mode": all(len({r["params_digest"] for r in rs}) == 1 for rs in runs.values()),
     }), flush=True)
 
+
+def vs_one_process(base: list[str], cross: list[str], args: argparse.Namespace) -> None:
+    P, M = 2, args.microbatches
     # (SGD at the default lr 0.1 diverges at step 60 on this model with delayed shared ops: a lower
     # lr for all three modes, the same config everywhere)
     tf = [*base, "space=transformer", "space.width=256", "space.layers=8", "train.optimizer.lr=0.03"]

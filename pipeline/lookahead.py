@@ -70,6 +70,12 @@ class LookaheadPlanner:
         self.planner = None
         self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
         self.moves_stateful_only = settings.cross
+        # Wire specs come from a dry run of the stages on the meta device, ~30-70 ms of Python a
+        # subnet on this machine's CPU: more than a step of the default space. A flushed step
+        # plans two subnets ahead and hides it; a cross-subnet segment would plan tens at once,
+        # and its executor receives each channel in sending order anyway, so its messages
+        # describe themselves (a 512-byte header each) instead
+        self.wires = not settings.cross
         self.sample: tuple[tuple[int, ...], torch.dtype] | None = None  # one training micro-batch
         specs = {slot.op_id: slot.spec for slot in graph.slots()}
         self._meta = MetaModules(lambda op_id: build_op(specs[op_id], op_id, seed, seeded=False))
@@ -158,8 +164,9 @@ class LookaheadPlanner:
                 for op_id, c in self.costs.ops.items()}
 
     def with_wires(self, plan: Plan) -> Plan:
-        """``plan`` with the wire specs of the current training micro-batch shape."""
-        if self.sample is None or plan.sample == self.sample:
+        """``plan`` with the wire specs of the current training micro-batch shape (none with
+        cross-subnet schedules: their messages describe themselves, see ``self.wires``)."""
+        if self.sample is None or plan.sample == self.sample or not self.wires:
             return plan
         key = (plan.arch, plan.partition.bounds, self.sample)
         if key in self._wires:
