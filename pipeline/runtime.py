@@ -19,7 +19,6 @@ has a timeout: no hang.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
 from .plan.schedule import Schedule, build as build_schedule, validate
+from .rendezvous import init_process_group
 from .settings import DistEnv, PipelineSettings
 from .stage import StageExecutor
 from .memory_settings import MemorySettings
@@ -93,8 +93,7 @@ class PipelineEngine:
             if device.type == "cuda":
                 torch.cuda.set_device(env.local_rank)
                 self.device = device = torch.device("cuda", env.local_rank)
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=settings.timeout_s))
+            init_process_group(backend, env.rank, env.world_size, settings.timeout_s)  # restart-safe under torchrun
         timeout = settings.timeout_s
         many = env.world_size > 1
         # Separate groups are separate channels: migration, gathers and evaluation (default
