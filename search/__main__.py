@@ -107,11 +107,13 @@ def compose_error(overrides: Sequence[str]) -> str | None:
     return None
 
 
-def _causes(e: BaseException) -> list[BaseException]:
+def _causes(e: BaseException, implicit: bool = True) -> list[BaseException]:
+    """``e`` and what caused it (``raise ... from``; with ``implicit``, also what it was raised
+    while handling)."""
     seen: list[BaseException] = []
     while e is not None and e not in seen:
         seen.append(e)
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        e = e.__cause__ or (e.__context__ if implicit else None)  # type: ignore[assignment]
     return seen
 
 
@@ -178,20 +180,22 @@ def report(e: BaseException, full: bool) -> int:
 
 def _second_signal(signum: int, written: list[Path]) -> None:
     out = _session.get("out")
-    saved = f"; completed {', '.join(map(str, written))}" if written else ""
-    where = f" from the last checkpoint in {out}" if out is not None else ""
-    print(f"interrupted: {signal.Signals(signum).name} again: exited at once{saved}; files on disk are whole, "
-          f"resume{where}", file=sys.stderr, flush=True)
+    saved = f" (completed the write of {', '.join(map(str, written))})" if written else ""
+    hint = f"; {_resume_hint(out)}" if out is not None else ""
+    if _is_rank0():
+        print(f"interrupted: {signal.Signals(signum).name} again: exited at once; the files on disk are whole{saved}"
+              f"{hint}", file=sys.stderr, flush=True)
 
 
 # -- the job -----------------------------------------------------------------------------------
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from .app import _output_dir, run
     from .config import config_digest
     from .interrupt import Interrupts
 
+    _session["task_started"] = True  # from here on, what fails is the run's, not Hydra's set-up
     try:
         prepared = _session.get("prepared")
         if prepared is not None and (prepared.config_digest != config_digest(cfg)
@@ -226,18 +230,30 @@ def _run(argv: list[str]) -> int:
     interrupts = Interrupts(on_second=_second_signal, announce=_is_rank0()).install()
     _session.update(interrupts=interrupts)
     try:
-        cfg = compose_config(overrides)
+        try:
+            cfg = compose_config(overrides)
+        except BadInput as e:  # the same on every rank: rank 0 says it
+            if _is_rank0():
+                print(f"error: {e}", file=sys.stderr)
+            return 2
         if not _has_run_dir(overrides):  # pin the timestamped directory: the resume line names it
             overrides = [*overrides, f"hydra.run.dir={_quote(str(OmegaConf.select(cfg, 'hydra.run.dir')))}"]
         run_dir = Path(str(OmegaConf.select(cfg, "hydra.run.dir")))
         job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # what Hydra hands the task
-        prepared = prepare(job, None if job.get("output_dir") else run_dir, output_field="hydra.run.dir")
+        try:
+            prepared = prepare(job, None if job.get("output_dir") else run_dir, output_field="hydra.run.dir")
+        except ValueError as e:  # the same on every rank: rank 0 says it
+            if _is_rank0():
+                print(f"error: {_one_line(str(e))}", file=sys.stderr)
+            return 2
         _session.update(prepared=prepared, out=prepared.out)
         sys.argv = [argv[0], *overrides]
         os.environ["HYDRA_FULL_ERROR"] = "1"  # what fails in Hydra's own set-up comes to us, reported below
         try:
             main()  # the task's own failures come back as SystemExit (see main)
         except Exception as e:
+            if _session.get("task_started"):
+                raise
             raise _setup_failure(e, run_dir) from e
         return 0
     except SystemExit as e:
@@ -256,7 +272,7 @@ def _setup_failure(e: Exception, run_dir: Path) -> Exception:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    os_error = next((c for c in _causes(e) if isinstance(c, OSError)), None)
+    os_error = next((c for c in _causes(e, implicit=False) if isinstance(c, OSError)), None)
     if os_error is not None:
         return BadInput(f"hydra.run.dir: expected a directory you can write, found {run_dir}: {_one_line(str(os_error))}")
     if isinstance(e, (HydraException, OmegaConfBaseException)):
@@ -264,10 +280,24 @@ def _setup_failure(e: Exception, run_dir: Path) -> Exception:
     return e
 
 
+def status(argv: Sequence[str]) -> int:
+    """Run the command line ``argv`` (``["search", *overrides]``) to its exit status, printing what
+    :func:`cli` prints but leaving the process as it is (the tests run many in one interpreter)."""
+    _session.clear()
+    _session.update(user_args=list(argv[1:]))
+    full_error = os.environ.get("HYDRA_FULL_ERROR")
+    try:
+        return _run(torchrun_argv(argv, os.environ))
+    finally:
+        if full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full_error
+        _session.clear()
+
+
 def cli() -> None:
-    argv = torchrun_argv(sys.argv, os.environ)
-    _session.update(user_args=list(sys.argv[1:]))
-    code = _run(argv)
+    code = status(sys.argv)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -89,6 +89,7 @@ class Prepared:
     cost: SubnetCost
     ckpt: Checkpoint | None
     ckpt_file: Path | None
+    notes: tuple[str, ...] = ()  # warnings to log once the run's logging is set up
 
 
 def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None,
@@ -118,10 +119,12 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     rc.search.constraints.check_feasible(space, cost)  # bounds no arch meets fail before training
     fields = train_fields(cfg)
     tdigest = train_digest(cfg)
-    ckpt, ckpt_file = resume_checkpoint(out / CHECKPOINT_NAME) if rc.resume else (None, None)
+    notes: list[str] = []
+    ckpt, ckpt_file = resume_checkpoint(out / CHECKPOINT_NAME, notes.append) if rc.resume else (None, None)
     if ckpt is not None:
         _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
-    return Prepared(rc, out, config_digest(cfg), fields, tdigest, data, graph, seed_archs, cost, ckpt, ckpt_file)
+    return Prepared(rc, out, config_digest(cfg), fields, tdigest, data, graph, seed_archs, cost, ckpt, ckpt_file,
+                    tuple(notes))
 
 
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None, *,
@@ -152,6 +155,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         try:
             vote = StopVote(engine.rank, engine.world_size, rc.pipeline.timeout_s)
             if engine.is_main:
+                for note in p.notes:
+                    rlog.warning("%s", note)
                 for tmp in remove_temporaries(ckpt_path):  # of a process killed while writing one
                     rlog.info("removed %s, a checkpoint write cut short", tmp.name)
             start = 0

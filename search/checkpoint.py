@@ -81,12 +81,14 @@ def save_checkpoint(path: str | os.PathLike, ckpt: Checkpoint, keep_previous: bo
 START_AFRESH = "set resume=false (the new run's first checkpoint replaces what is there)"
 
 
-def resume_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint | None, Path | None]:
+def resume_checkpoint(path: str | os.PathLike,
+                      warn: Callable[[str], None] | None = None) -> tuple[Checkpoint | None, Path | None]:
     """The checkpoint to resume from and its file: the latest at ``path``, or the previous one
-    (with a warning naming both) when the latest is missing or cannot be read; ``(None, None)``
-    when there is neither. Raises :class:`CheckpointError`, naming both files, when neither can
-    be read."""
+    (with a warning naming both, to ``warn``, else this module's log) when the latest is missing
+    or cannot be read; ``(None, None)`` when there is neither. Raises :class:`CheckpointError`,
+    naming both files, when neither can be read."""
     path, prev = Path(path), previous_path(path)
+    warn = warn if warn is not None else log.warning
     try:
         ckpt = load_checkpoint(path)
     except CheckpointError as e:
@@ -98,8 +100,8 @@ def resume_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint | None, Path 
         except CheckpointError as e_prev:
             raise CheckpointError(f"neither checkpoint can be read: {e}; {e_prev}; to start afresh move both away, "
                                   f"or {START_AFRESH}") from None
-        log.warning("cannot read the latest checkpoint %s (%s); resuming from the previous one, %s (step %d)",
-                    path, e, prev, fallback.step)
+        warn(f"cannot read the latest checkpoint {path} ({e}); resuming from the previous one, {prev} "
+             f"(step {fallback.step})")
         return fallback, prev
     if ckpt is not None:
         return ckpt, path
@@ -109,8 +111,8 @@ def resume_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint | None, Path 
         except CheckpointError as e_prev:
             raise CheckpointError(f"{e_prev}, and there is no latest checkpoint {path}; to start afresh move {prev} "
                                   f"away, or {START_AFRESH}") from None
-        log.warning("no latest checkpoint %s (a crash while replacing it); resuming from the previous one, %s "
-                    "(step %d)", path, prev, fallback.step)
+        warn(f"no latest checkpoint {path} (a crash while replacing it); resuming from the previous one, {prev} "
+             f"(step {fallback.step})")
         return fallback, prev
     return None, None
 
