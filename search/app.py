@@ -247,13 +247,12 @@ def _check_writable(out: Path, field: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing == out and not out.is_dir():
-        raise ConfigError(f"{field}: expected a directory, found a file at {out}")
+        raise ConfigError(f"{field}: expected a directory, found a file: {out}")
     if not existing.is_dir():
-        raise ConfigError(f"{field}: cannot create the run directory {out}: {existing} is a file, not a directory")
+        raise ConfigError(f"{field}: expected a directory you can create, found a file in its way: {existing} "
+                          f"(for {out})")
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "the run directory" if existing == out else f"the run directory {out} in"
-        raise ConfigError(f"{field}: expected a directory you can write, found {what} {existing}, which is not "
-                          "writable; choose another (e.g. hydra.run.dir=runs/exp1)")
+        raise ConfigError(f"{field}: expected a directory you can write, found {existing} read-only (for {out})")
 
 
 def _check_resumable(ckpt: Checkpoint, path: Path, tdigest: str, fields: Mapping[str, Any], rc: RunConfig) -> None:

@@ -67,8 +67,18 @@ def update_readme(runs: list[tuple[list[str], list[str]]]) -> None:
     (ROOT / "README.md").write_text(text)
 
 
+def readme_errors() -> list[tuple[list[str], str]]:
+    """The README's bad-input block: (arguments after ``python -m search``, the line it prints)."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- errors: checked by tests/test_cli.py.*?-->\n```\n(.*?)```", text, re.S)
+    assert block, "README.md lost its bad-input block"
+    lines = block.group(1).splitlines()
+    return [(shlex.split(cmd.removeprefix("$ "))[3:], err) for cmd, err in zip(lines[::2], lines[1::2])]
+
+
 (TORCHRUN_CMD, ONE_CMD, _), (_, ONE_OUT, GREP_OUT) = readme_example()
 EXAMPLE = ONE_CMD[ONE_CMD.index("search") + 1:]
+README_ERRORS = readme_errors()
 
 
 @pytest.fixture(autouse=True)
@@ -84,16 +94,11 @@ def least_params() -> int:
 CASES: dict[str, tuple[list[str], dict[str, str | None]]] = {
     # name: (arguments, environment); paths are relative to the test's directory, "{tmp}" is it
     "readme": (EXAMPLE, {}),
+    **{f"readme-error-{i}": (args, {}) for i, (args, _) in enumerate(README_ERRORS)},  # run in {tmp}/errors
     "steps-abc-full-error": (["train.steps=abc", "hydra.run.dir={tmp}/rejected"], {"HYDRA_FULL_ERROR": "1"}),
-    "seed": (["seed=-1", "hydra.run.dir={tmp}/rejected"], {}),
-    "microbatches": ([*TINY_CONV, *TINY, "train.microbatches=3", "hydra.run.dir={tmp}/rejected"], {}),
-    "no-option": (["sampler=greedy", "hydra.run.dir={tmp}/rejected"], {}),
     "no-field": (["train.stepz=3", "hydra.run.dir={tmp}/rejected"], {}),
-    "no-module": (["space._target_=nosuchmod.build", "hydra.run.dir={tmp}/rejected"], {}),
     "yaml": (["hydra.searchpath=[file://{tmp}/myconf]", "train=broken", "hydra.run.dir={tmp}/rejected"], {}),
-    "run-dir-under-a-file": (["hydra.run.dir={tmp}/a_file/run"], {}),
     "run-dir-not-creatable": (["hydra.run.dir=/proc/pipenas/run"], {}),
-    "stages-one-process": (["pipeline.stages=2", "hydra.run.dir={tmp}/rejected"], {}),
     "constraints": ([*TINY_CONV, *TINY, "search.constraints.max_params={least}", "hydra.run.dir={tmp}/rejected"], {}),
     "checkpoints-unreadable": ([*TINY_CONV, *TINY, "hydra.run.dir={tmp}/junk"], {}),
     "tiny": ([*TINY_CONV, *TINY, "hydra.run.dir={tmp}/tiny"], {}),
@@ -113,17 +118,20 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Resul
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "myconf" / "train").mkdir(parents=True)
     (tmp / "myconf" / "train" / "broken.yaml").write_text("steps: 10\n  batch_size: [\n")
-    (tmp / "a_file").write_text("")
+    (tmp / "errors").mkdir()
+    (tmp / "errors" / "README.md").write_text("")
     (tmp / "junk").mkdir()
     for name in ("checkpoint.pt", "checkpoint.prev.pt"):
         (tmp / "junk" / name).write_bytes(b"not a checkpoint")
     least = least_params()
     cases = []
     for name, (args, env) in CASES.items():
-        args = [a.format(tmp=tmp, least=least - 1) for a in args]
+        if not name.startswith("readme-error-"):
+            args = [a.format(tmp=tmp, least=least - 1) for a in args]
         if name == "resume-as-printed":
             args = ["<printed>"]
-        cases.append(Case(args, str(tmp), env, ends_process=name == "sigint-twice"))
+        cwd = tmp / "errors" if name.startswith("readme-error-") else tmp
+        cases.append(Case(args, str(cwd), env, ends_process=name == "sigint-twice"))
     results = run_cases(cases)
     return tmp, dict(zip(CASES, results))
 
@@ -136,19 +144,21 @@ def one_error(r: Result) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("i", range(len(README_ERRORS)))
+def test_the_readme_bad_input_lines(cli: tuple[Path, dict[str, Result]], i: int) -> None:
+    tmp, results = cli
+    r = results[f"readme-error-{i}"]
+    assert r.status == 2, r.stderr
+    assert one_error(r) == README_ERRORS[i][1]
+    assert [p.name for p in (tmp / "errors").iterdir()] == ["README.md"]  # no run directory
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("steps-abc-full-error", "error: train.steps: expected an integer >= 1, found 'abc'"),
-    ("seed", "error: seed: expected an integer >= 0, found -1"),
-    ("microbatches", "error: train.microbatches: expected a divisor of train.batch_size (32), found 3"),
-    ("no-option", "error: sampler: no option 'greedy'; expected one of ['fair', 'uniform']"),
     ("no-field", "error: Could not override 'train.stepz'"),
-    ("no-module", "error: space._target_: cannot import 'nosuchmod.build' (No module named 'nosuchmod')"),
     ("yaml", "myconf/train/broken.yaml, line 2: expected valid YAML, found mapping values are not allowed here "
              "(column 13)"),
-    ("run-dir-under-a-file", "/a_file is a file, not a directory"),
     ("run-dir-not-creatable", "error: hydra.run.dir: expected a directory you can write, found "),
-    ("stages-one-process", "error: pipeline.stages: expected the number of processes (one stage each) or null, "
-                           "found 2: this run is one process; run it with torchrun --nproc_per_node=2 -m search"),
     ("constraints", "error: search.constraints.max_params: expected at least"),
 ])
 def test_bad_input_is_one_line_status_2_and_writes_nothing(cli: tuple[Path, dict[str, Result]], case: str,
@@ -157,7 +167,7 @@ def test_bad_input_is_one_line_status_2_and_writes_nothing(cli: tuple[Path, dict
     r = results[case]
     assert r.status == 2, r.stderr
     assert message in one_error(r)
-    assert not (tmp / "rejected").exists() and not (tmp / "a_file").is_dir()
+    assert not (tmp / "rejected").exists()
 
 
 def test_checkpoint_errors_name_both_files_and_the_fields_that_differ(cli: tuple[Path, dict[str, Result]]) -> None:
