@@ -37,7 +37,8 @@ class StopVote:
 
     def result(self, asked: bool, step: int, where: str) -> bool:
         """Whether to stop now (after the unit of work): any rank's posted request, the same on
-        every rank; in one process, ``asked``. ``step`` and ``where`` name the point in errors."""
+        every rank; in one process, ``asked``. ``where`` names the unit in errors (``step 12``),
+        ``step`` is the training step (-1 after training)."""
         if self.group is None:
             return asked
         if self._posted is None:
@@ -46,9 +47,9 @@ class StopVote:
         try:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo raises when a peer is gone
-            raise StageFailure(f"rank {self.rank} failed at step {step} during the stop vote ({where}): "
-                               f"{type(e).__name__}: {e}", self.rank, step, "stop-vote") from e
+            raise StageFailure(f"rank {self.rank} failed in the stop vote after {where}: {type(e).__name__}: {e}",
+                               self.rank, step, "stop-vote") from e
         if ok is False:
-            raise StageFailure(f"rank {self.rank} failed at step {step} during the stop vote ({where}): no answer "
-                               f"within {self.timeout.total_seconds():g} s", self.rank, step, "stop-vote")
+            raise StageFailure(f"rank {self.rank} failed in the stop vote after {where}: no answer within "
+                               f"{self.timeout.total_seconds():g} s", self.rank, step, "stop-vote")
         return bool(t.item())

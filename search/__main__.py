@@ -179,9 +179,14 @@ def report(e: BaseException, full: bool) -> int:
 
 
 def _second_signal(signum: int, written: list[Path]) -> None:
+    from .checkpoint import CHECKPOINT_NAME, previous_path
+
     out = _session.get("out")
     saved = f" (completed the write of {', '.join(map(str, written))})" if written else ""
-    hint = f"; {_resume_hint(out)}" if out is not None else ""
+    if out is None or not any(p.exists() for p in (out / CHECKPOINT_NAME, previous_path(out / CHECKPOINT_NAME))):
+        hint = "; no checkpoint was written yet: the same command starts afresh"
+    else:
+        hint = f"; {_resume_hint(out)}"
     if _is_rank0():
         print(f"interrupted: {signal.Signals(signum).name} again: exited at once; the files on disk are whole{saved}"
               f"{hint}", file=sys.stderr, flush=True)

@@ -298,12 +298,14 @@ class _Stop:
     faults: tuple[Fault, ...]
     rank: int
 
-    def before(self, step: int, point: str) -> None:
-        inject(self.faults, self.rank, step, point)
+    def before(self, index: int, point: str) -> None:
+        """Before unit ``index`` (the step; in the search, the arch's place in scoring order)."""
+        inject(self.faults, self.rank, index, point)
         self.vote.post(self.interrupts.requested)
 
-    def after(self, step: int, point: str) -> bool:
-        return self.vote.result(self.interrupts.requested, step, point)
+    def after(self, index: int, point: str) -> bool:
+        """After that unit: whether to stop now."""
+        return self.vote.result(self.interrupts.requested, index if point == "step" else -1, f"{point} {index}")
 
 
 def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path, start: int,
@@ -401,10 +403,10 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
 
     def scorer(arch: Arch) -> float:
         if stop is not None:
-            stop.before(-1, "evaluate")
+            stop.before(len(evals), "evaluate")
         evals[arch] = ev = engine.evaluate(arch, val, calib)
         bar.update(1)
-        if stop is not None and stop.after(-1, "evaluate"):
+        if stop is not None and stop.after(len(evals) - 1, "evaluate"):
             raise Interrupted(f"{stop.interrupts.name}: stopped the search after {len(evals)} of {s.budget} archs; "
                               f"training is complete: checkpoint {checkpoint} (step {rc.train.steps})",
                               stop.interrupts.signum or 0, checkpoint, rc.train.steps)

@@ -251,7 +251,8 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
     """The README's torchrun command, with three restarts allowed: rank 1 is killed during a step
     (attempt 0), rank 0 while writing the checkpoint of step 30 (attempt 1: the latest is gone,
     the one before stays), rank 1 while migrating (attempt 2); attempt 3 gets a Ctrl-C (SIGINT to
-    torchrun's agent) and stops with a checkpoint; the same command again finishes it."""
+    torchrun's agent) and stops with a checkpoint; the same command finishes training and gets a
+    SIGTERM during the search; the same command again searches."""
     tmp_cli, results = cli
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -273,12 +274,23 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
     assert run_dir.name == torchrun_argv(["search", *args], {"WORLD_SIZE": "2"})[-1].rsplit("/", 1)[1]
     assert 38 < stopped < 55 and load_checkpoint(run_dir / "checkpoint.pt").step == stopped
 
+    # the same command resumes; a SIGTERM during its search (to torchrun, as a scheduler sends it)
+    # stops every rank after the same arch, training complete
+    searching = subprocess.run(cmd, cwd=tmp_path, env=dict(env, PIPENAS_FAULT="0:2:evaluate:terminate"),
+                               capture_output=True, text=True, timeout=300)
+    assert searching.returncode != 0
+    (line,) = [ln for ln in searching.stderr.splitlines() if ln.startswith("interrupted:")]
+    assert re.fullmatch(r"interrupted: SIGTERM: stopped the search after \d+ of 16 archs; training is complete: "
+                        rf"checkpoint {m.group(2)}/checkpoint.pt \(step 60\); to resume, run the same torchrun command "
+                        r"again \(it continues from \S+\)", line), line
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 59
+
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     one_dir = shown(results["readme"].stdout)[-1].removeprefix("output dir: ")
     one = json.loads((tmp_cli / one_dir / "summary.json").read_text())
-    assert summary["resumed_from_step"] == stopped and summary["world_size"] == 2
+    assert summary["resumed_from_step"] == 60 and summary["world_size"] == 2
     assert summary["params_digest"] == one["params_digest"] and summary["top_k"] == one["top_k"]
     digest_line = f'  "params_digest": "{summary["params_digest"]}",'
     if UPDATE:
