@@ -8,7 +8,8 @@ for SIGTERM). A second signal exits at once with that status: writes in flight a
 (:func:`pipeline.files.settle_writes`), so every checkpoint on disk stays whole.
 
 Under torchrun a Ctrl-C reaches the agent (the ranks run in sessions of their own); the agent
-passes it on to every rank and kills what is left after 30 s. The ranks stop within a step.
+passes it on to every rank and kills what is left after 30 s. The ranks agree on the step to stop
+after within a fraction of a second (:class:`pipeline.stop.StopVote`).
 """
 from __future__ import annotations
 
