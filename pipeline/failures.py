@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,11 +24,14 @@ from .files import atomic_write_text
 from .plan.schedule import Action, Schedule, format_grid
 from .transport import PeerError
 
-__all__ = ["StageFailure", "FailureReporter", "Fault", "parse_fault", "inject"]
+__all__ = ["StageFailure", "FailureReporter", "Fault", "parse_fault", "inject", "STOPPING"]
 
 log = logging.getLogger(__name__)
 
 HOW = ("raise", "kill", "interrupt", "terminate")
+
+# Set when this process is asked to stop (SIGINT/SIGTERM: search.interrupt sets it).
+STOPPING = threading.Event()
 
 
 class Fault(NamedTuple):
@@ -83,10 +87,12 @@ class FailureReporter:
         return StageFailure(msg, self.rank, step, str(action))
 
     def _root_cause(self, wait_s: float = 2.0) -> str | None:
-        """The first note another rank of this attempt left, waiting briefly for it to land."""
+        """The first note another rank of this attempt left, waiting briefly for it to land (not
+        once the process is asked to stop: torchrun signals the survivors of a rank it saw die,
+        which may have been killed and will leave no note)."""
         if self.failure_dir is None:
             return None
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (0.0 if STOPPING.is_set() else wait_s)
         while True:
             notes = sorted(self.failure_dir.glob("rank*.json")) if self.failure_dir.exists() else []
             for note in notes:

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pipeline.failures import STOPPING
 from pipeline.files import settle_writes
 
 __all__ = ["Interrupts", "Interrupted", "exit_status"]
@@ -78,6 +79,7 @@ class Interrupts:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+        STOPPING.clear()
 
     def __enter__(self) -> Interrupts:
         return self.install()
@@ -88,6 +90,7 @@ class Interrupts:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+            STOPPING.set()  # a rank failing now does not wait for a peer's note
             if self.announce:
                     print(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
                       "(send it again to exit at once)", file=sys.stderr, flush=True)
