@@ -159,8 +159,8 @@ def report(e: BaseException, full: bool) -> int:
             where = f"; {_resume_hint(e.checkpoint.parent)}" if e.checkpoint is not None else ""
             print(f"interrupted: {e}{where}", file=sys.stderr)
         return e.status
-    if isinstance(e, KeyboardInterrupt):  # a Ctrl-C before the handlers were installed
-        print("interrupted: SIGINT before the run started; nothing to save", file=sys.stderr)
+    if isinstance(e, KeyboardInterrupt):  # a Ctrl-C where the handlers were not installed
+        print("interrupted: SIGINT; no checkpoint written", file=sys.stderr)
         return exit_status(signal.SIGINT)
     if isinstance(e, ValueError):  # bad input: ConfigError, CheckpointError, SupernetError, ...
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
