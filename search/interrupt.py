@@ -5,7 +5,9 @@ signal is only recorded; the run notices it between steps (all ranks alike, thro
 :class:`pipeline.stop.StopVote`), writes a checkpoint and raises :class:`Interrupted`, which the
 CLI reports with where and how to resume, exiting 128 + the signal number (130 for SIGINT, 143
 for SIGTERM). A second signal exits at once with that status: writes in flight are settled first
-(:func:`pipeline.files.settle_writes`), so every checkpoint on disk stays whole.
+(:func:`pipeline.files.settle_writes`), so every checkpoint on disk stays whole. A SIGTERM within
+a second of the first signal is taken for a copy of it: a scheduler (Slurm) signals every process
+of a job, and torchrun's agent passes on the signal it got as well.
 
 Under torchrun a Ctrl-C reaches the agent (the ranks run in sessions of their own); the agent
 passes it on to every rank and kills what is left after 30 s. The ranks agree on the step to stop
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -28,6 +31,7 @@ from pipeline.files import settle_writes
 __all__ = ["Interrupts", "Interrupted", "exit_status"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+COPY_WINDOW_S = 1.0  # a SIGTERM this soon after the first signal is a copy of it, not a second request
 
 
 def exit_status(signum: int) -> int:
@@ -58,6 +62,7 @@ class Interrupts:
 
     def __init__(self, on_second: Callable[[int, list[Path]], None] | None = None, announce: bool = True) -> None:
         self.signum: int | None = None
+        self._first_at = 0.0
         self.on_second, self.announce = on_second, announce
         self._previous: dict[int, Any] = {}
 
@@ -89,12 +94,14 @@ class Interrupts:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
-            self.signum = signum
+            self.signum, self._first_at = signum, time.monotonic()
             STOPPING.set()  # a rank failing now does not wait for a peer's note
             if self.announce:
                     print(f"{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
                       "(send it again to exit at once)", file=sys.stderr, flush=True)
             return
+        if signum == signal.SIGTERM and time.monotonic() - self._first_at < COPY_WINDOW_S:
+            return  # a copy of the first: a scheduler signals every process of the job, torchrun passes its own on
         written = settle_writes()  # a write cut short could leave a temporary file; a durable one completes
         if self.on_second is not None:
             try:

@@ -72,3 +72,12 @@ def test_settling_writes_completes_the_durable_and_drops_the_partial(tmp_path: P
         atomic_write_bytes(path, b"newer", prev)
     assert settled[-1] == [] and path.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]  # no temporaries
+
+
+def test_a_sigterm_right_after_the_first_signal_is_a_copy(capsys: pytest.CaptureFixture) -> None:
+    # a scheduler signals every process of the job and torchrun passes its own on: two SIGTERMs
+    with Interrupts(on_second=lambda *a: pytest.fail("exited on a copy of the first signal")) as intr:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert intr.name == "SIGTERM"
+    assert capsys.readouterr().err.count("stopping after this step") == 1
