@@ -92,7 +92,7 @@ class FailureReporter:
         which may have been killed and will leave no note)."""
         if self.failure_dir is None:
             return None
-        deadline = time.monotonic() + (0.0 if STOPPING.is_set() else wait_s)
+        deadline = time.monotonic() + wait_s
         while True:
             notes = sorted(self.failure_dir.glob("rank*.json")) if self.failure_dir.exists() else []
             for note in notes:
@@ -104,7 +104,7 @@ class FailureReporter:
                     continue
                 if d.get("rank") != self.rank:
                     return f"rank {d['rank']} failed at step {d['step']} during {d['action']}: {d['error']}"
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or STOPPING.is_set():
                 return None
             time.sleep(0.1)
 

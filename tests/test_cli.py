@@ -257,29 +257,35 @@ def test_the_readme_example_in_one_process(cli: tuple[Path, dict[str, Result]]) 
 def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Path, dict[str, Result]],
                                                                   tmp_path: Path) -> None:
     """The README's torchrun command, with three restarts allowed: rank 1 is killed during a step
-    (attempt 0), rank 0 while writing the checkpoint of step 30 (attempt 1: the latest is gone,
-    the one before stays), rank 1 while migrating (attempt 2); attempt 3 gets a Ctrl-C (SIGINT to
-    torchrun's agent) and stops with a checkpoint; the same command again finishes it."""
+    (attempt 0; the survivor names rank, step and action and exits: no hang), rank 0 while
+    writing the checkpoint of step 20 (attempt 1: the latest is gone, the one before stays),
+    rank 1 while migrating (attempt 2); attempt 3 gets a Ctrl-C (SIGINT to torchrun's agent) and
+    stops with a checkpoint; the same command again finishes it."""
     tmp_cli, results = cli
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     args = TORCHRUN_CMD[TORCHRUN_CMD.index("search") + 1:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
-    faults = "1:8:1F1:kill:0,0:30:checkpoint:kill:1,1:35:migrate:kill:2,0:38:step:interrupt:3"
+    faults = "1:5:1F1:kill:0,0:20:checkpoint:kill:1,1:23:migrate:kill:2,0:25:step:interrupt:3"
     first = subprocess.run([*cmd[:4], "--max-restarts=3", *cmd[4:]], cwd=tmp_path, env=dict(env, PIPENAS_FAULT=faults),
                            capture_output=True, text=True, timeout=500)
     assert first.returncode != 0  # torchrun reports the signal it got
     err = first.stdout + first.stderr  # rank 0 logs to stdout (Hydra's console), the others to stderr
     for attempt in (1, 2, 3):
         assert f"restart {attempt} of this torchrun job" in err, err[-4000:]
+    # each survivor reported its rank, step and action, and exited (no hang: torchrun restarted)
+    for survivor, step in ((0, 5), (1, 20), (0, 23)):
+        assert f"error: rank {survivor} (stage {survivor}) failed at step {step} during " in err, err[-4000:]
+    assert re.search(r"error: rank 0 \(stage 0\) failed at step 5 during \S+: PeerError: receiving from rank 1 "
+                     r"failed", err), err[-4000:]
     assert "no latest checkpoint" in err and "resuming from the previous one" in err  # the write cut short
     (line,) = [ln for ln in err.splitlines() if ln.startswith("interrupted:")]
-    m = re.fullmatch(r"interrupted: SIGINT: stopped after step (\d+) of 60; checkpoint (\S+)/checkpoint.pt "
+    m = re.fullmatch(r"interrupted: SIGINT: stopped after step (\d+) of 40; checkpoint (\S+)/checkpoint.pt "
                      r"\(step \d+\); to resume, run the same torchrun command again \(it continues from \S+\)", line)
     assert m, line
     stopped, run_dir = int(m.group(1)), tmp_path / m.group(2)
     assert run_dir.name == torchrun_argv(["search", *args], {"WORLD_SIZE": "2"})[-1].rsplit("/", 1)[1]
-    assert 38 < stopped < 55 and load_checkpoint(run_dir / "checkpoint.pt").step == stopped
+    assert 25 < stopped < 35 and load_checkpoint(run_dir / "checkpoint.pt").step == stopped
 
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-4000:]
@@ -302,4 +308,4 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
     assert sorted(p.name for p in run_dir.iterdir() if not p.is_dir()) == [
         "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl", "search-evolution.jsonl", "search.log",
         "summary.json", "trace.json"]
-    assert [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == list(range(60))
+    assert [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == list(range(40))
