@@ -96,17 +96,6 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
         raise
 
 
-def compose_error(overrides: Sequence[str]) -> str | None:
-    """Why the config does not compose with ``overrides`` (one line), or ``None`` if it does."""
-    if any(a.startswith("-") for a in overrides):
-        return None  # --help, --cfg, --multirun, ...: Hydra's own business
-    try:
-        compose_config(overrides)
-    except BadInput as e:
-        return str(e)
-    return None
-
-
 def _causes(e: BaseException, implicit: bool = True) -> list[BaseException]:
     """``e`` and what caused it (``raise ... from``; with ``implicit``, also what it was raised
     while handling)."""
