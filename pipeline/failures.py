@@ -3,8 +3,9 @@
 Any exception inside a step becomes a :class:`StageFailure` naming the rank, the step and the
 action, with the schedule grid and that action marked. The rank that failed first leaves a note
 in the failure directory (when there is one), so the ranks that then lose their peer name the
-root cause rather than only "connection closed". ``PIPENAS_FAULT=<rank>:<step>:<action>:<raise|kill>``
-injects a failure, for the tests that prove no failure hangs a job.
+root cause rather than only "connection closed". ``PIPENAS_FAULT`` injects failures and
+interruptions, for the tests that prove no failure hangs a job and every one resumes: see
+:func:`parse_fault`.
 """
 from __future__ import annotations
 
@@ -12,20 +13,33 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from .files import atomic_write_text
 from .plan.schedule import Action, Schedule, format_grid
 from .transport import PeerError
 
-__all__ = ["StageFailure", "FailureReporter", "parse_fault"]
+__all__ = ["StageFailure", "FailureReporter", "Fault", "parse_fault", "inject", "STOPPING"]
 
 log = logging.getLogger(__name__)
 
-Fault = tuple[int, int, str, str]  # rank, step, action, "raise" | "kill"
+HOW = ("raise", "kill", "interrupt", "terminate")
+
+# Set when this process is asked to stop (SIGINT/SIGTERM: search.interrupt sets it).
+STOPPING = threading.Event()
+
+
+class Fault(NamedTuple):
+    rank: int
+    step: int
+    action: str  # a schedule action (``1F0``), a phase (``plan``, ``migrate``, ...) or an app point
+    how: str  # one of HOW
+    attempt: int | None = None  # torchrun's TORCHELASTIC_RESTART_COUNT it fires in; None: every attempt
 
 
 class StageFailure(RuntimeError):
@@ -37,13 +51,13 @@ class StageFailure(RuntimeError):
 
 
 class FailureReporter:
-    def __init__(self, rank: int, schedule: Schedule, failure_dir: Path | None, fault: Fault | None = None,
+    def __init__(self, rank: int, schedule: Schedule, failure_dir: Path | None, faults: Sequence[Fault] = (),
                  where: str | None = None) -> None:
         self.rank = rank
         self.where = where if where is not None else f"stage {rank}"  # "replica k, stage s" on a mesh
         self.schedule = schedule
         self.failure_dir = failure_dir
-        self.fault = fault
+        self.faults = tuple(faults)
         self.failed = False
         self._started = time.time()  # notes older than this belong to an earlier attempt
 
@@ -53,7 +67,7 @@ class FailureReporter:
         ``mark``: the action as the schedule lists it, when ``action`` is shown otherwise (a
         cross-subnet schedule's ``1F0@5`` is step ``step``'s ``1F0``)."""
         try:
-            self._maybe_fault(step, action)
+            inject(self.faults, self.rank, step, str(action))
             yield
         except StageFailure:
             raise
@@ -78,7 +92,9 @@ class FailureReporter:
         return StageFailure(msg, self.rank, step, str(action))
 
     def _root_cause(self, wait_s: float = 2.0) -> str | None:
-        """The first note another rank of this attempt left, waiting briefly for it to land."""
+        """The first note another rank of this attempt left, waiting briefly for it to land (not
+        once the process is asked to stop: torchrun signals the survivors of a rank it saw die,
+        which may have been killed and will leave no note)."""
         if self.failure_dir is None:
             return None
         deadline = time.monotonic() + wait_s
@@ -93,26 +109,41 @@ class FailureReporter:
                     continue
                 if d.get("rank") != self.rank:
                     return f"rank {d['rank']} failed at step {d['step']} during {d['action']}: {d['error']}"
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or STOPPING.is_set():
                 return None
             time.sleep(0.1)
 
-    def _maybe_fault(self, step: int, action: Action | str) -> None:
-        f = self.fault
-        if f and f[0] == self.rank and f[1] == step and f[2] == str(action):
-            if f[3] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"injected fault (PIPENAS_FAULT) at rank {self.rank}, step {step}, action {action}")
+
+def inject(faults: Sequence[Fault], rank: int, step: int, action: str) -> None:
+    """Fire the faults meant for (rank, step, action) in this attempt: raise, SIGKILL this process,
+    or do what Ctrl-C (``interrupt``) or ``kill`` (``terminate``) does to the job: SIGINT/SIGTERM to
+    torchrun's agent, which passes it on to every rank, or to this process outside torchrun."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for f in faults:
+        if (f.rank, f.step, f.action) != (rank, step, action) or f.attempt not in (None, attempt):
+            continue
+        if f.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f.how in ("interrupt", "terminate"):
+            target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+            os.kill(target, signal.SIGINT if f.how == "interrupt" else signal.SIGTERM)
+            continue
+        raise RuntimeError(f"injected fault (PIPENAS_FAULT) at rank {rank}, step {step}, action {action}")
 
 
-def parse_fault(text: str | None) -> Fault | None:
-    """``PIPENAS_FAULT=<rank>:<step>:<action>:<raise|kill>`` injects a failure (for tests)."""
+def parse_fault(text: str | None) -> tuple[Fault, ...]:
+    """``PIPENAS_FAULT=<fault>[,<fault>...]``, each ``<rank>:<step>:<action>:<how>[:<attempt>]``
+    with ``how`` one of raise, kill, interrupt, terminate (for tests)."""
     if not text:
-        return None
-    try:
-        rank, step, action, how = text.split(":")
-        if how not in ("raise", "kill"):
-            raise ValueError
-        return int(rank), int(step), action, how
-    except ValueError:
-        raise ValueError(f"PIPENAS_FAULT: expected <rank>:<step>:<action>:<raise|kill>, found {text!r}") from None
+        return ()
+    faults = []
+    for part in text.split(","):
+        try:
+            rank, step, action, how, *attempt = part.split(":")
+            if how not in HOW or len(attempt) > 1:
+                raise ValueError
+            faults.append(Fault(int(rank), int(step), action, how, int(attempt[0]) if attempt else None))
+        except ValueError:
+            raise ValueError(f"PIPENAS_FAULT: expected <rank>:<step>:<action>:<{'|'.join(HOW)}>[:<attempt>], "
+                             f"found {part!r}") from None
+    return tuple(faults)

@@ -22,7 +22,6 @@ has a timeout: no hang.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import logging
 import os
@@ -49,6 +48,7 @@ from .plan.costs import CostTable
 from .plan.placement import initial_owners
 from .replicas import Mesh, MeshError, ReplicaReducer, new_group_per
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
+from .rendezvous import init_process_group
 from .settings import DistEnv, PipelineSettings
 from .cross import CrossExecutor, Segment
 from .plan.admission import cross_subnet
@@ -151,8 +151,7 @@ class PipelineEngine:
             if device.type == "cuda":
                 torch.cuda.set_device(env.local_rank)
                 self.device = device = torch.device("cuda", env.local_rank)
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=settings.timeout_s))
+            init_process_group(backend, env.rank, env.world_size, settings.timeout_s)  # restart-safe under torchrun
         timeout = settings.timeout_s
         many = env.world_size > 1
         me, mesh = self.stage_index, self.mesh

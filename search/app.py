@@ -3,22 +3,29 @@
 :func:`run` takes the composed config and returns the summary. It is one code path for one
 process and for many: every rank calls every engine method with the same arguments in the
 same order (training, gathering op states, evaluating candidates), and only the main rank
-writes. Everything that can be wrong with the input is checked before anything is written.
+writes. Everything that can be wrong with the input is checked by :func:`prepare` before
+anything is written (the CLI calls it before Hydra creates the run directory).
 
 Outputs, in the run directory: ``metrics.jsonl`` (one JSON line per training step),
 ``checkpoint.pt`` (see :mod:`search.checkpoint`; a run that finds one there resumes from it)
 and ``summary.json``.
+
+With ``interrupts`` (:class:`search.interrupt.Interrupts`), a SIGINT/SIGTERM stops training after
+the step (all ranks after the same one), writes a checkpoint and raises
+:class:`search.interrupt.Interrupted`; during the search it stops after the arch being scored.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +35,22 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import supernet.spaces  # noqa: F401 - registers the built-in spaces and their ops
-from pipeline import Engine, EvalResult, create_engine, params_digest
+from pipeline import Engine, EvalResult, create_engine, dist_env, params_digest
 from pipeline.engine import PLAN_AHEAD
-from supernet import Arch, SearchSpace, derive_seed
-
+from pipeline.failures import Fault, inject, parse_fault
+from pipeline.stop import StopVote
 from pipeline.trace import write_trace
+from supernet import Arch, SearchSpace, SupernetGraph, derive_seed
 
-from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, resume_checkpoint,
-                         save_checkpoint)
-from .config import ConfigError, RunConfig, build_data, build_space, config_digest, load_config, train_digest
+from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, remove_temporaries,
+                         resume_checkpoint, save_checkpoint)
+from .config import (ConfigError, RunConfig, build_data, build_space, config_digest, field_differences, load_config,
+                     train_fields, train_digest)
 from .evolution import SearchResult, SubnetCost, evolution_search, random_search
+from .interrupt import Interrupted, Interrupts
 from .samplers import Sampler, make_sampler
 
-__all__ = ["run", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
+__all__ = ["run", "prepare", "Prepared", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
 
 METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
@@ -64,30 +74,76 @@ class _RankLog(logging.LoggerAdapter):
 
 
 
-def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None) -> dict[str, Any]:
-    """Train, checkpoint and search as ``cfg`` says; returns the summary (on every rank; only
-    the main rank has ``params_digest`` and the losses). ``output_dir`` overrides the config's
-    ``output_dir`` and Hydra's run directory."""
-    t_start = time.perf_counter()
-    rc = load_config(cfg)
-    if rc.threads is not None:
-        torch.set_num_threads(rc.threads)
-    out = _output_dir(output_dir if output_dir is not None else rc.output_dir)
-    digest, tdigest = config_digest(cfg), train_digest(cfg)
+@dataclass(frozen=True)
+class Prepared:
+    """A run's input, read and checked by :func:`prepare`; nothing written yet."""
 
-    # -- everything that can be wrong with the input fails here, before anything is written
+    rc: RunConfig
+    out: Path
+    config_digest: str
+    train_config: dict[str, Any]  # train_fields(cfg): what a checkpoint must match to resume
+    train_digest: str
+    data: Any
+    graph: SupernetGraph
+    seed_archs: list[Arch]
+    cost: SubnetCost
+    ckpt: Checkpoint | None
+    ckpt_file: Path | None
+    notes: tuple[str, ...] = ()  # warnings to log once the run's logging is set up
+
+
+def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None,
+            output_field: str = "output_dir") -> Prepared:
+    """Everything that can be wrong with the input fails here, before anything is written: the
+    config, the data and the space it names, the run directory (``output_dir``, else the config's
+    ``output_dir``, else Hydra's; ``output_field`` names it in errors) and the checkpoint there."""
+    rc = load_config(cfg)
+    env = dist_env()
+    processes = env.world_size if env is not None else 1
+    if rc.pipeline.stages is not None and rc.pipeline.stages != processes:
+        how = (f"this run has {processes} (torchrun --nproc_per_node)" if env is not None else
+               f"this run is one process; run it with torchrun --nproc_per_node={rc.pipeline.stages} -m search")
+        raise ConfigError(f"pipeline.stages: expected the number of processes (one stage each) or null, found "
+                          f"{rc.pipeline.stages}: {how}")
+    if output_dir is None and rc.output_dir is not None:
+        output_dir = rc.output_dir
+    out = _output_dir(output_dir)
+    _check_writable(out, output_field if output_dir is not None else "hydra.run.dir")
     data = build_data(rc.data)
     data.train_batch(0, rc.train.batch_size)  # checks the batch size against the data
     graph = build_space(rc.space, data.input_shape, data.num_classes)
     space = graph.space()
     seed_archs = [space.validate(a, f"search.seed_archs[{i}]") for i, a in enumerate(rc.search.seed_archs)]
-    sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)
+    make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)  # checks sampler.arch
     cost = SubnetCost(graph, data.input_shape, rc.seed)
     rc.search.constraints.check_feasible(space, cost)  # bounds no arch meets fail before training
-    ckpt_path = out / CHECKPOINT_NAME
-    ckpt, ckpt_file = resume_checkpoint(ckpt_path) if rc.resume else (None, None)
+    fields = train_fields(cfg)
+    tdigest = train_digest(cfg)
+    notes: list[str] = []
+    ckpt, ckpt_file = resume_checkpoint(out / CHECKPOINT_NAME, notes.append) if rc.resume else (None, None)
     if ckpt is not None:
-        _check_resumable(ckpt, ckpt_file, tdigest, rc)
+        _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
+    return Prepared(rc, out, config_digest(cfg), fields, tdigest, data, graph, seed_archs, cost, ckpt, ckpt_file,
+                    tuple(notes))
+
+
+def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None, *,
+        prepared: Prepared | None = None, interrupts: Interrupts | None = None) -> dict[str, Any]:
+    """Train, checkpoint and search as ``cfg`` says; returns the summary (on every rank; only
+    the main rank has ``params_digest`` and the losses). ``output_dir`` overrides the config's
+    ``output_dir`` and Hydra's run directory. ``prepared``: what :func:`prepare` made of this
+    ``cfg`` already. ``interrupts``: the signals to stop on (none when not given)."""
+    t_start = time.perf_counter()
+    p = prepared if prepared is not None else prepare(cfg, output_dir)
+    rc, out, ckpt, ckpt_file = p.rc, p.out, p.ckpt, p.ckpt_file
+    if rc.threads is not None:
+        torch.set_num_threads(rc.threads)
+    data, graph, cost = p.data, p.graph, p.cost
+    space = graph.space()
+    sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)
+    ckpt_path = out / CHECKPOINT_NAME
+    interrupts = interrupts if interrupts is not None else Interrupts()  # not installed: never set
+    faults = parse_fault(os.environ.get("PIPENAS_FAULT"))
 
     # A failing pipeline rank leaves a note in failures/ that its peers quote in their reports.
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
@@ -98,6 +154,12 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     # On a terminal log lines go through the progress bar instead of tearing it
     with logging_redirect_tqdm() if _show_bars(engine) else nullcontext():
         try:
+            vote = StopVote(engine.rank, engine.world_size, rc.pipeline.timeout_s)
+            if engine.is_main:
+                for note in p.notes:
+                    rlog.warning("%s", note)
+                for tmp in remove_temporaries(ckpt_path):  # of a process killed while writing one
+                    rlog.info("removed %s, a checkpoint write cut short", tmp.name)
             start = 0
             if ckpt is not None:
                 engine.load_op_states(ckpt.op_states)
@@ -107,14 +169,16 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             losses = _open_metrics(out / METRICS_NAME, start) if engine.is_main else []
             t0 = time.perf_counter()
             # after a fall-back to the previous checkpoint the unreadable latest is replaced, not kept
-            states = _train(rc, engine, sampler, data, out, start, losses, digest, tdigest, rlog,
-                            keep_previous=ckpt_file is None or ckpt_file == ckpt_path)
+            states = _train(rc, engine, sampler, data, out, start, losses, p, rlog,
+                            keep_previous=ckpt_file is None or ckpt_file == ckpt_path,
+                            stop=_Stop(interrupts, vote, faults, engine.rank))
             train_s = time.perf_counter() - t0
             if rc.pipeline.trace_steps:
                 _write_trace(out / TRACE_NAME, engine, rc.pipeline.trace_steps, rlog)
 
             t0 = time.perf_counter()
-            result, evals = _search(rc, engine, space, data, cost, seed_archs)
+            result, evals = _search(rc, engine, space, data, cost, p.seed_archs,
+                                    _Stop(interrupts, vote, faults, engine.rank), ckpt_path)
             search_s = time.perf_counter() - t0
             if engine.is_main:
                 _write_search_log(out / f"search-{rc.search.algorithm}.jsonl", rc, evals, cost)
@@ -130,7 +194,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     # An arch whose evaluation is not finite scored -inf (ranked last); it is never the best.
     best = next((t for t in top if not t["nonfinite"]), None)
     summary: dict[str, Any] = {
-        "config_digest": digest,
+        "config_digest": p.config_digest,
         "steps": rc.train.steps,
         "resumed_from_step": start,
         "final_loss": _finite(losses[-1]) if losses else None,  # null: not the main rank, or diverged
@@ -181,12 +245,30 @@ def _output_dir(explicit: str | Path | None) -> Path:
         ) from None
 
 
-def _check_resumable(ckpt: Checkpoint, path: Path, tdigest: str, rc: RunConfig) -> None:
+def _check_writable(out: Path, field: str) -> None:
+    """The run directory can be made and written (nothing is created here)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == out and not out.is_dir():
+        raise ConfigError(f"{field}: expected a directory, found a file: {out}")
+    if not existing.is_dir():
+        raise ConfigError(f"{field}: expected a directory you can create, found a file in its way: {existing} "
+                          f"(for {out})")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}: expected a directory you can write, found {existing} read-only (for {out})")
+
+
+def _check_resumable(ckpt: Checkpoint, path: Path, tdigest: str, fields: Mapping[str, Any], rc: RunConfig) -> None:
     if ckpt.train_digest != tdigest:
+        if ckpt.train_config is not None:
+            diff = field_differences(ckpt.train_config, fields)
+            what = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+        else:  # a checkpoint of an older version keeps only the digest
+            what = f"train digest {ckpt.train_digest[:12]} -> {tdigest[:12]}"
         raise CheckpointError(
-            f"checkpoint {path}: written by a run with other training settings (train digest "
-            f"{ckpt.train_digest[:12]}, this run {tdigest[:12]}); use another run directory, "
-            "the same seed/space/sampler/data/train config, or resume=false to start afresh"
+            f"checkpoint {path}: written by a run with other training settings: {what}; set them back to resume, "
+            "or use another run directory (hydra.run.dir=...), or resume=false to start afresh over it"
         )
     if not 0 <= ckpt.step <= rc.train.steps:
         raise CheckpointError(f"checkpoint {path}: expected a step in [0, {rc.train.steps}], found {ckpt.step}")
@@ -210,12 +292,33 @@ def _open_metrics(path: Path, start: int) -> list[float]:
     return losses
 
 
+@dataclass(frozen=True)
+class _Stop:
+    """Between units of work (a training step, an arch scored): the faults injected there, and
+    whether a signal stops the run (voted, so every rank stops after the same unit)."""
+
+    interrupts: Interrupts
+    vote: StopVote
+    faults: tuple[Fault, ...]
+    rank: int
+
+    def before(self, index: int, point: str) -> None:
+        """Before unit ``index`` (the step; in the search, the arch's place in scoring order)."""
+        inject(self.faults, self.rank, index, point)
+        self.vote.post(self.interrupts.requested)
+
+    def after(self, index: int, point: str) -> bool:
+        """After that unit: whether to stop now."""
+        return self.vote.result(self.interrupts.requested, index if point == "step" else -1, f"{point} {index}")
+
+
 def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path, start: int,
-           losses: list[float], digest: str, tdigest: str, rlog: logging.LoggerAdapter,
-           keep_previous: bool = True) -> Any:
+           losses: list[float], p: Prepared, rlog: logging.LoggerAdapter, keep_previous: bool,
+           stop: _Stop) -> Any:
     """Train from step ``start``; checkpoints on the way and at the end. Returns the final op
     states (main rank; ``None`` elsewhere). ``keep_previous=False``: the latest checkpoint is
-    unreadable, so the first save replaces it instead of keeping it as the previous one."""
+    unreadable, so the first save replaces it instead of keeping it as the previous one.
+    ``stop``: a signal ends training after the step with a checkpoint and :class:`Interrupted`."""
     t = rc.train
     schedule = t.schedule()
     last_saved = start
@@ -224,8 +327,9 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
         nonlocal keep_previous, last_saved
         states = engine.op_states()  # collective: every rank takes part, the main rank gets them
         if engine.is_main:
-            save_checkpoint(out / CHECKPOINT_NAME, Checkpoint(step, states, sampler.state_dict(), tdigest, digest),
-                            keep_previous=keep_previous)
+            ckpt = Checkpoint(step, states, sampler.state_dict(), p.train_digest, p.config_digest, p.train_config)
+            save_checkpoint(out / CHECKPOINT_NAME, ckpt, keep_previous=keep_previous,
+                            on_durable=lambda: inject(stop.faults, engine.rank, step, "checkpoint"))
         keep_previous, last_saved = True, step
         return states
 
@@ -272,21 +376,28 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
     try:
         step = start
         while step < t.steps:
-            # a segment: subnets the engine may keep in flight together (one without cross-subnet
-            # schedules); it ends at a checkpoint boundary, where nothing is in flight
-            stop = min(t.steps, step + segment)
+            # a segment: subnets the engine may keep in flight together (one step without
+            # cross-subnet schedules); it ends at a checkpoint boundary, where nothing is in flight
+            end = min(t.steps, step + segment)
             if t.checkpoint_every:
-                stop = min(stop, (step // t.checkpoint_every + 1) * t.checkpoint_every)
+                end = min(end, (step // t.checkpoint_every + 1) * t.checkpoint_every)
+            stop.before(step, "step")
             items = []
-            for k in range(step, stop):
+            for k in range(step, end):
                 x, y = data.train_batch(k, t.batch_size)
                 items.append((k, sampler.next(), x, y))
-            upcoming = sampler.peek(min(max(PLAN_AHEAD, segment), t.steps - stop))  # planned while these run
+            upcoming = sampler.peek(min(max(PLAN_AHEAD, segment), t.steps - end))  # planned while these run
             for (k, arch, _, _), res in zip(items, engine.train_steps(items, upcoming)):
                 _record(k, arch, res)
-            step = stop
+            step = end
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
                 checkpoint(step)
+            if stop.after(step - 1, "step"):  # a signal: after the step (segment) in flight, with a checkpoint
+                if last_saved != step:
+                    checkpoint(step)
+                path = out / CHECKPOINT_NAME
+                raise Interrupted(f"{stop.interrupts.name}: stopped after step {step} of {t.steps}; checkpoint "
+                                  f"{path} (step {step})", stop.interrupts.signum or 0, path, step)
     finally:
         bar.close()
         if metrics is not None:
@@ -297,9 +408,12 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
 
 
 def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: SubnetCost,
-            seed_archs: list[Arch]) -> tuple[SearchResult, dict[Arch, EvalResult]]:
+            seed_archs: list[Arch], stop: _Stop | None = None,
+            checkpoint: Path | None = None) -> tuple[SearchResult, dict[Arch, EvalResult]]:
     """Score subnets with inherited weights (BN recalibrated per subnet) by evolution or at
-    random. Every rank runs this identically: the engine returns the same scores everywhere."""
+    random. Every rank runs this identically: the engine returns the same scores everywhere.
+    ``stop``: a signal ends the search after the arch being scored, with :class:`Interrupted`
+    (training is complete: ``checkpoint`` holds it)."""
     s = rc.search
     val = data.val_batches(s.val_batch_size)
     calib = data.calib_batches(s.bn_calib_batches, s.calib_batch_size)
@@ -308,8 +422,14 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
                disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
 
     def scorer(arch: Arch) -> float:
+        if stop is not None:
+            stop.before(len(evals), "evaluate")
         evals[arch] = ev = engine.evaluate(arch, val, calib)
         bar.update(1)
+        if stop is not None and stop.after(len(evals) - 1, "evaluate"):
+            raise Interrupted(f"{stop.interrupts.name}: stopped the search after {len(evals)} of {s.budget} archs; "
+                              f"training is complete: checkpoint {checkpoint} (step {rc.train.steps})",
+                              stop.interrupts.signum or 0, checkpoint, rc.train.steps)
         # not finite (NaN logits still have an argmax): ranked last, never the best
         return ev.accuracy if math.isfinite(ev.loss) else -math.inf
 

@@ -10,14 +10,16 @@ old file or the new one, never half of one.
 The checkpoint before the latest is kept beside it (``checkpoint.prev.pt``): a new checkpoint is
 written and fsynced under a temporary name first, then the latest becomes the previous and the
 new one the latest, so a durable checkpoint exists at every moment. :func:`resume_checkpoint`
-falls back to the previous one, with a warning naming both, when the latest cannot be read.
+falls back to the previous one, with a warning naming both, when the latest cannot be read, and
+names both when neither can. A checkpoint keeps the training fields of its run
+(:func:`search.config.train_fields`), so a refused resume can name the fields that changed.
 """
 from __future__ import annotations
 
 import io
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,8 @@ import torch
 from pipeline.files import atomic_write_bytes, atomic_write_text
 
 __all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
-           "load_checkpoint", "resume_checkpoint", "previous_path", "atomic_write_bytes", "atomic_write_text"]
+           "load_checkpoint", "resume_checkpoint", "remove_temporaries", "previous_path", "atomic_write_bytes",
+           "atomic_write_text"]
 
 FORMAT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -47,6 +50,7 @@ class Checkpoint:
     sampler: Mapping[str, Any]
     train_digest: str  # digest of the config fields that decide training; must match to resume
     config_digest: str  # digest of the whole config that wrote it (informational)
+    train_config: Mapping[str, Any] | None = None  # the fields the train digest covers (None: older checkpoints)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +58,7 @@ class Checkpoint:
             "op_states": {k: dict(v) for k, v in self.op_states.items()},
             "sampler": dict(self.sampler), "train_digest": self.train_digest,
             "config_digest": self.config_digest,
+            **({"train_config": self.train_config} if self.train_config is not None else {}),
         }
 
 
@@ -63,36 +68,65 @@ def previous_path(path: str | os.PathLike) -> Path:
     return path.with_name(PREVIOUS_NAME if path.name == CHECKPOINT_NAME else f"{path.stem}.prev{path.suffix}")
 
 
-def save_checkpoint(path: str | os.PathLike, ckpt: Checkpoint, keep_previous: bool = True) -> None:
+def save_checkpoint(path: str | os.PathLike, ckpt: Checkpoint, keep_previous: bool = True,
+                    on_durable: Callable[[], None] | None = None) -> None:
     """Write ``ckpt`` atomically; the checkpoint it replaces becomes :func:`previous_path` unless
-    ``keep_previous`` is false (the latest is known to be unreadable: the previous stays)."""
+    ``keep_previous`` is false (the latest is known to be unreadable: the previous stays).
+    ``on_durable``: see :func:`pipeline.files.atomic_write_bytes` (fault injection)."""
     buf = io.BytesIO()
     torch.save(ckpt.to_dict(), buf)
-    atomic_write_bytes(path, buf.getvalue(), previous_path(path) if keep_previous else None)
+    atomic_write_bytes(path, buf.getvalue(), previous_path(path) if keep_previous else None, on_durable=on_durable)
 
 
-def resume_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint | None, Path | None]:
+START_AFRESH = "set resume=false (the new run's first checkpoint replaces what is there)"
+
+
+def resume_checkpoint(path: str | os.PathLike,
+                      warn: Callable[[str], None] | None = None) -> tuple[Checkpoint | None, Path | None]:
     """The checkpoint to resume from and its file: the latest at ``path``, or the previous one
-    (with a warning naming both) when the latest is missing or cannot be read; ``(None, None)``
-    when there is neither. Raises :class:`CheckpointError` when neither can be read."""
+    (with a warning naming both, to ``warn``, else this module's log) when the latest is missing
+    or cannot be read; ``(None, None)`` when there is neither. Raises :class:`CheckpointError`,
+    naming both files, when neither can be read."""
     path, prev = Path(path), previous_path(path)
+    warn = warn if warn is not None else log.warning
     try:
         ckpt = load_checkpoint(path)
     except CheckpointError as e:
         if not prev.exists():
-            raise
-        fallback = load_checkpoint(prev)
-        log.warning("cannot read the latest checkpoint %s (%s); resuming from the previous one, %s (step %d)",
-                    path, e, prev, fallback.step)
+            raise CheckpointError(f"{e}; there is no previous checkpoint {prev} to fall back to; to start afresh "
+                                  f"move {path} away, or {START_AFRESH}") from None
+        try:
+            fallback = load_checkpoint(prev)
+        except CheckpointError as e_prev:
+            raise CheckpointError(f"neither checkpoint can be read: {e}; {e_prev}; to start afresh move both away, "
+                                  f"or {START_AFRESH}") from None
+        warn(f"cannot read the latest checkpoint {path} ({e}); resuming from the previous one, {prev} "
+             f"(step {fallback.step})")
         return fallback, prev
     if ckpt is not None:
         return ckpt, path
     if prev.exists():
-        fallback = load_checkpoint(prev)
-        log.warning("no latest checkpoint %s (a crash while replacing it); resuming from the previous one, %s "
-                    "(step %d)", path, prev, fallback.step)
+        try:
+            fallback = load_checkpoint(prev)
+        except CheckpointError as e_prev:
+            raise CheckpointError(f"{e_prev}, and there is no latest checkpoint {path}; to start afresh move {prev} "
+                                  f"away, or {START_AFRESH}") from None
+        warn(f"no latest checkpoint {path} (a crash while replacing it); resuming from the previous one, {prev} "
+             f"(step {fallback.step})")
         return fallback, prev
     return None, None
+
+
+def remove_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove what a process killed while writing the checkpoint at ``path`` (or its previous)
+    left: their temporary files. Call it before any write of this run starts."""
+    path = Path(path)
+    gone = []
+    for name in (path.name, previous_path(path).name):
+        for tmp in path.parent.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+            gone.append(tmp)
+    return gone
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint | None:
@@ -103,14 +137,17 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint | None:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path}: cannot read it ({type(e).__name__}: {e}); move it away to start afresh"
-        ) from None
+        raise CheckpointError(f"checkpoint {path}: expected a file written by torch.save, found one torch cannot load "
+                              f"({type(e).__name__}: {_one_line(str(e))})") from None
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
         found = data.get("format_version") if isinstance(data, dict) else type(data).__name__
         raise CheckpointError(f"checkpoint {path}: expected format version {FORMAT_VERSION}, found {found!r}")
     try:
         return Checkpoint(int(data["step"]), data["op_states"], data["sampler"], str(data["train_digest"]),
-                          str(data["config_digest"]))
+                          str(data["config_digest"]), data.get("train_config"))
     except KeyError as e:
         raise CheckpointError(f"checkpoint {path}: missing field {e.args[0]!r}") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from .samplers import SAMPLERS
 
 __all__ = [
     "ConfigError", "TargetConfig", "TrainConfig", "SamplerConfig", "SearchConfig", "RunConfig",
-    "load_config", "build_space", "build_data", "config_digest", "train_digest",
+    "load_config", "build_space", "build_data", "config_digest", "train_digest", "train_fields", "field_differences",
 ]
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -132,16 +133,20 @@ class _Group:
             raise ConfigError(f"{path}: expected a mapping of fields, found {_type_name(data)} {data!r}")
         self.data, self.path, self.read = data, path, set()
 
+    def where(self, key: str) -> str:
+        """The dotted path of ``key`` (``train.steps``; a top-level field is just its name)."""
+        return f"{self.path}.{key}" if self.path else key
+
     def _get(self, key: str, default: Any) -> Any:
         self.read.add(key)
         if key in self.data:
             return self.data[key]
         if default is _MISSING:
-            raise ConfigError(f"{self.path}.{key}: missing; this field is required")
+            raise ConfigError(f"{self.where(key)}: missing; this field is required")
         return default
 
     def fail(self, key: str, expected: str, found: Any) -> ConfigError:
-        return ConfigError(f"{self.path}.{key}: expected {expected}, found {found!r}")
+        return ConfigError(f"{self.where(key)}: expected {expected}, found {found!r}")
 
     def int(self, key: str, default: Any = _MISSING, minimum: int | None = None, optional: bool = False) -> Any:
         v = self._get(key, default)
@@ -190,13 +195,13 @@ class _Group:
         return v
 
     def group(self, key: str, default: Any = _MISSING) -> _Group:
-        return _Group(self._get(key, default), f"{self.path}.{key}" if self.path else key)
+        return _Group(self._get(key, default), self.where(key))
 
     def done(self, ignore: Sequence[str] = ()) -> None:
         extra = sorted(k for k in self.data if k not in self.read and k not in ignore)
         if extra:
             known = sorted(self.read)
-            raise ConfigError(f"{self.path + '.' if self.path else ''}{extra[0]}: unknown field; expected one of {known}")
+            raise ConfigError(f"{self.where(extra[0])}: unknown field; expected one of {known}")
 
 
 def _to_container(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
@@ -361,11 +366,15 @@ def _instantiate(tc: TargetConfig, provided: Mapping[str, Any]) -> Any:
     from hydra.utils import get_object, instantiate
 
     where = f"{tc.group}._target_"
+    hydra_log = logging.getLogger("hydra.utils")  # logs the failed import over several ERROR lines first
+    quiet, hydra_log.disabled = hydra_log.disabled, True
     try:
         fn = get_object(tc.target)
     except Exception as e:
         cause = e.__cause__ or e
         raise ConfigError(f"{where}: cannot import {tc.target!r} ({_one_line(str(cause)) or type(cause).__name__})") from None
+    finally:
+        hydra_log.disabled = quiet
     if not callable(fn):
         raise ConfigError(f"{where}: expected a callable, found {type(fn).__name__} at {tc.target!r}")
     for key in provided:
@@ -442,11 +451,9 @@ def config_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
     return _digest(data)
 
 
-def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
-    """sha256 over the fields that decide what training computes (seed, space, sampler, data,
-    train but its logging and checkpoint cadence and ``nonfinite``). A checkpoint resumes only a
-    run with the same digest; search settings, threads, pipeline layout and paths may change, and
-    a run stopped by a non-finite loss may resume with ``train.nonfinite=skip``."""
+def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The fields that decide what training computes: seed, space, sampler, data, and train but
+    its logging and checkpoint cadence and ``nonfinite`` (a checkpoint keeps them)."""
     data = _to_container(cfg)
     pipe = data.get("pipeline") or {}
     mode = pipe.get("shared_ops", "exact")
@@ -461,4 +468,25 @@ def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
         fields["shared_ops"] = {"mode": mode, **({"delay": pipe.get("shared_delay", 1)} if mode == "delayed" else {})}
     if pipe.get("reduce", "exact") == "fast":  # replicas' gradients summed in the all-reduce's order
         fields["reduce"] = "fast"
-    return _digest(fields)
+    return fields
+
+
+def train_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
+    """sha256 over :func:`train_fields`. A checkpoint resumes only a run with the same digest;
+    search settings, threads, pipeline layout and paths may change, and a run stopped by a
+    non-finite loss may resume with ``train.nonfinite=skip``."""
+    return _digest(train_fields(cfg))
+
+
+def field_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``path (old -> new)`` for every leaf field that differs between two nested mappings."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        path = f"{prefix}{key}"
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += field_differences(a, b, f"{path}.")
+        elif a != b:
+            show = lambda v: "(unset)" if v is _MISSING else repr(v)  # noqa: E731
+            out.append(f"{path} ({show(a)} -> {show(b)})")
+    return out

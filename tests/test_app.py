@@ -1,10 +1,7 @@
-"""The search app end to end: outputs, determinism, resume, bad input, and the CLI."""
+"""The search app end to end: outputs, determinism, resume, bad input (the command line: tests/test_cli.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,6 @@ from hydra import compose, initialize_config_dir
 
 import pipeline.reference
 from pipeline import params_digest
-from pipeline.trace import check_trace, spans_from_chrome
 from search.__main__ import torchrun_argv
 from search.app import run
 from search.checkpoint import CheckpointError, load_checkpoint
@@ -193,68 +189,3 @@ def test_torchrun_pins_one_run_dir_per_override_set() -> None:
     assert torchrun_argv(["search", "seed=3"], {"WORLD_SIZE": "2"})[-1] != pinned
     mine = torchrun_argv(["search", "hydra.run.dir=/x"], {"WORLD_SIZE": "2", "RANK": "0"})
     assert mine == ["search", "hydra.run.dir=/x"]
-
-
-def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
-    return subprocess.run([sys.executable, "-m", "search", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_cli_runs_and_prints_the_best_arch(tmp_path: Path) -> None:
-    out = tmp_path / "cli"
-    p = cli(*TINY_CONV, *TINY, f"hydra.run.dir={out}")
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
-    best = json.loads(next(line for line in lines if line.startswith("best arch: "))[len("best arch: "):])
-    summary = json.loads((out / "summary.json").read_text())
-    assert best == summary["best"]["arch"]
-    assert f"val accuracy: {summary['best']['val_accuracy']:.4f}" in p.stdout
-    assert f"output dir: {out}" in p.stdout
-    assert (out / "search.log").exists() and (out / ".hydra" / "config.yaml").exists()
-
-
-@pytest.mark.parametrize(("override", "message"), [
-    ("train.microbatches=3", "error: train.microbatches: expected a divisor of train.batch_size (32), found 3"),
-    ("sampler=greedy", "error: sampler: no option 'greedy'; expected one of ['fair', 'uniform']"),
-    ("train.stepz=3", "error: Could not override 'train.stepz'"),
-])
-def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, override: str, message: str) -> None:
-    out = tmp_path / "bad"
-    p = cli(*TINY_CONV, *TINY, override, f"hydra.run.dir={out}")
-    assert p.returncode == 2, p.stderr
-    assert message in p.stderr, p.stderr
-    assert "Traceback" not in p.stderr and p.stdout == ""
-    assert not any(out.glob("*.json*")) and not (out / "checkpoint.pt").exists()
-
-
-@pytest.mark.dist
-def test_torchrun_two_stages_pin_the_run_dir_resume_and_match_one_process(tiny_run: tuple[Path, dict],
-                                                                          tmp_path: Path) -> None:
-    """Two pipeline stages under torchrun: rank 0 alone writes, into the pinned directory; the
-    same command again finds the checkpoint; the weights equal the single-process run's."""
-    _, single = tiny_run
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    args = [*TINY_CONV, *TINY, "pipeline.timeout_s=60", "pipeline.trace_steps=[3]"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
-    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-4000:]
-    (run_dir,) = (tmp_path / "outputs" / "torchrun").iterdir()
-    assert run_dir.name == torchrun_argv(["search", *args], {"WORLD_SIZE": "2"})[-1].rsplit("/", 1)[1]
-    assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl", "search-evolution.jsonl", "search.log",
-        "summary.json", "trace.json"]
-    spans = spans_from_chrome(json.loads((run_dir / "trace.json").read_text()))  # every rank's, on one file
-    assert {s.rank for s in spans} == {0, 1} and {s.step for s in spans} == {3}
-    check_trace(spans)
-    assert first.stdout.count("best arch: ") == 1  # printed by rank 0 only
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["params_digest"] == single["params_digest"]
-    assert summary["top_k"] == single["top_k"]
-
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-4000:]
-    resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["resumed_from_step"] == 12 and resumed["params_digest"] == single["params_digest"]
-    assert len(list((tmp_path / "outputs" / "torchrun").iterdir())) == 1

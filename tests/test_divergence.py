@@ -21,7 +21,7 @@ from search.checkpoint import load_checkpoint
 from search.evolution import SearchError, SubnetCost
 from supernet import Arch
 from supernet.spaces import conv
-from tests.test_app import ROOT, TINY, TINY_CONV, cli, make_cfg, read_metrics
+from tests.test_app import ROOT, TINY, make_cfg, read_metrics
 
 DIVERGING = ["~space", "+space._target_=tests.diverging_space.build", "+space.at_step=7", "+space.at_microbatch=1"]
 ARCH_JSON = '{"l0": "blowup", "l1": "'  # the step's arch, as the message prints it
@@ -44,16 +44,6 @@ def test_nonfinite_loss_stops_at_that_step_and_keeps_the_last_good_checkpoint(tm
     assert [m["step"] for m in metrics] == list(range(8)) and metrics[-1]["loss"] is None
     assert metrics[-1]["nonfinite"] == "stop" and all(m["loss"] > 0 for m in metrics[:-1])
     assert load_checkpoint(tmp_path / "checkpoint.pt").step == 5 and not (tmp_path / "summary.json").exists()
-
-
-def test_cli_nonfinite_loss_exits_1_with_one_line(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    p = cli(*DIVERGING, *TINY, f"hydra.run.dir={out}", cwd=ROOT)
-    assert p.returncode == 1, p.stderr
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: step 7: the loss is nan at micro-batch 1"), p.stderr
-    assert "Traceback" not in p.stderr and "best arch" not in p.stdout
-    assert "\r" not in p.stderr and "step/s" not in p.stderr  # off a terminal: no progress-bar fragments
 
 
 def test_skip_updates_nothing_for_that_step_and_counts_it(tmp_path: Path) -> None:
@@ -97,10 +87,7 @@ def test_constraints_no_arch_meets_fail_before_anything_is_written(tmp_path: Pat
     assert not out.exists()
     with pytest.raises(SearchError, match=f"search.constraints.max_flops: expected at least {least_flops}"):
         run(make_cfg(f"search.constraints.max_flops={least_flops - 1}"), output_dir=out)
-    assert not out.exists()
-    p = cli(*TINY_CONV, *TINY, f"search.constraints.max_params={least - 1}", f"hydra.run.dir={out}")
-    assert p.returncode == 2 and "error: search.constraints.max_params: expected at least" in p.stderr, p.stderr
-    assert not any(out.glob("*.json*")) and not any(out.glob("checkpoint*"))
+    assert not out.exists()  # the CLI's one line and status 2: tests/test_cli.py
 
 
 def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path: Path,
@@ -109,7 +96,7 @@ def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path: Path,
     latest, prev = tmp_path / "checkpoint.pt", tmp_path / "checkpoint.prev.pt"
     assert load_checkpoint(prev).step == 10
     latest.write_bytes(b"not a checkpoint")  # e.g. a disk that lost the last write
-    with caplog.at_level(logging.WARNING, logger="search.checkpoint"):
+    with caplog.at_level(logging.WARNING):
         again = run(make_cfg(), output_dir=tmp_path)
     warning = next(r.getMessage() for r in caplog.records if "cannot read the latest checkpoint" in r.getMessage())
     assert str(latest) in warning and str(prev) in warning and "(step 10)" in warning
@@ -117,7 +104,7 @@ def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path: Path,
     assert load_checkpoint(latest).step == 12 and load_checkpoint(prev).step == 10  # the good one was kept
     assert params_digest(load_checkpoint(latest).op_states) == first["params_digest"]
     os.remove(latest)  # a crash between keeping the previous and renaming the new one
-    with caplog.at_level(logging.WARNING, logger="search.checkpoint"):
+    with caplog.at_level(logging.WARNING):
         third = run(make_cfg(), output_dir=tmp_path)
     assert third["resumed_from_step"] == 10 and any("no latest checkpoint" in r.getMessage() for r in caplog.records)
 

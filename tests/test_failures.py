@@ -1,4 +1,5 @@
-"""A failing rank makes the whole job exit promptly with a message naming rank, step and action."""
+"""A failing rank makes the whole job exit promptly with a message naming rank, step and action.
+(A rank killed mid-step, with torchrun restarting the job: tests/test_cli.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -19,17 +20,6 @@ def test_raising_rank_stops_every_rank_with_a_named_failure() -> None:
     assert "[1B1]" in failed, "the schedule grid with the failing action marked is missing"
     for r in (0, 2):
         assert "root cause: rank 1 failed at step 2 during 1B1" in procs[r].stderr, procs[r].stderr[-2000:]
-    assert seconds < 100
-
-
-def test_killed_rank_mid_step_makes_the_others_exit_within_the_timeout() -> None:
-    _, procs, seconds = spawn(3, SC, timeout_s=120, env_extra={"PIPENAS_FAULT": "2:1:2F1:kill"}, expect_ok=False)
-    assert all(p is not None for p in procs), "a rank hung"
-    assert procs[2].returncode == -9
-    for r in (0, 1):
-        assert procs[r].returncode != 0
-        assert "failed at step 1" in procs[r].stderr, procs[r].stderr[-2000:]
-    assert "rank 2 failed" in procs[1].stderr, procs[1].stderr[-2000:]
     assert seconds < 100
 
 
