@@ -88,10 +88,12 @@ class StageExecutor:
         def post(j: int) -> None:
             posted_now(j, tr.post_recv(*source(j)))
 
-        if wires is not None and rank != last and losses_after is None:
-            post_losses()
-        if wires is not None and needs:
-            post(needs[0])
+        with self.failures.failing(step, f"recv {self.actions[needs[0]]}" if needs else "recv"):
+            # the first receives are posted before any action: a peer gone by now is this step's failure
+            if wires is not None and rank != last and losses_after is None:
+                post_losses()
+            if wires is not None and needs:
+                post(needs[0])
         runs: dict[int, SliceRun] = {}
         head_losses: dict[int, torch.Tensor] = {}
         for i, action in enumerate(self.actions):
