@@ -20,7 +20,6 @@ updates, in the same order, with the same gradients as in the single-process ref
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from torch import nn
 
 from supernet import SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
 
-from .engine import activation_policy
+from .engine import activation_policy, update
 from .failures import FailureReporter
 from .lookahead import Plan
 from .plan.schedule import Action, Schedule, Wait
@@ -63,10 +62,8 @@ class CrossRun:
     busy_s: float = 0.0
     wait_s: float = 0.0
     update_s: float = 0.0
-    moved_in: int = 0
     moved_bytes: list[int] = field(default_factory=list)  # per subnet: bytes this stage sent ahead of it
     max_in_flight: int = 0
-    updated: list[bool] = field(default_factory=list)
 
 
 class CrossExecutor:
@@ -109,7 +106,7 @@ class CrossExecutor:
         rule, P, M = sch.rule, sch.num_stages, sch.num_microbatches
         last = P - 1
         tr, st = self.transport, self.state_transport
-        stats = CrossRun(updated=[False] * sch.num_subnets, moved_bytes=[0] * sch.num_subnets)
+        stats = CrossRun(moved_bytes=[0] * sch.num_subnets)
         for_subnet = {(mv.after, mv.op): mv.before.subnet for mv in rule.moves()}
         payload = all(p.wires is not None for p in seg.plans) or P == 1
         eager = not tr.batched
@@ -139,7 +136,6 @@ class CrossExecutor:
                     nxt = state_queues[src].popleft()
                     state = st.recv_state(nxt.op, src)
                     self.tensors.adopt(nxt.op, state)
-                    stats.moved_in += 1
                     got[nxt] = True
                 return got.pop(w)
             w0 = time.perf_counter()
@@ -222,8 +218,8 @@ class CrossExecutor:
                     emit(a, grads if me > 0 else None, None)
                 else:
                     emit(a, None, losses[t], kinds=("losses",))  # (last stage) every update needs them
-                    stats.updated[t] = self._update(sch.uses[t][me], step, seg.lrs[t], tuple(losses[t].tolist()))
-                    values[t] = self.last_losses  # every replica's (with replicas), in micro-batch order
+                    # every replica's losses (with replicas), in micro-batch order
+                    values[t] = self._update(sch.uses[t][me], step, seg.lrs[t], tuple(losses[t].tolist()))
                     stats.update_s += time.perf_counter() - a0
                     emit(a, None, None, kinds=("state",))  # then the ops the next user needs elsewhere leave
         with self.failures.failing(seg.steps[-1], "flush"):
@@ -231,9 +227,10 @@ class CrossExecutor:
             st.flush()
         return [v if v is not None else () for v in values], stats
 
-    def _update(self, ops: frozenset[str], step: int, lr: float, mb_losses: Sequence[float]) -> bool:
+    def _update(self, ops: frozenset[str], step: int, lr: float, mb_losses: Sequence[float]) -> tuple[float, ...]:
         """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
-        (then their gradients are dropped, as :func:`pipeline.engine.update` does)."""
+        (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
+        flight keep theirs); returns the micro-batch losses it decided on."""
         ops = sorted(ops)
         for op in ops:
             self.shared.before_update(op, step)
@@ -242,14 +239,7 @@ class CrossExecutor:
             with self.tracer.span(step, "reduce", "reduce"):
                 mb_losses = self.reducer.gather_losses(mb_losses)
                 self.reducer.reduce([self.tensors.module(op) for op in stepped])
-        ok = all(math.isfinite(v) for v in mb_losses)
-        self.last_losses = tuple(mb_losses)
-        if ok:
-            self.tensors.step(stepped, lr)
-        else:
-            for op in stepped:
-                for p in self.tensors.module(op).parameters():
-                    p.grad = None
+        update(self.tensors, stepped, lr, mb_losses)
         for op in ops:
             self.shared.after_update(op, step)
-        return ok
+        return tuple(mb_losses)

@@ -128,7 +128,7 @@ def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequenc
     if all(math.isfinite(v) for v in microbatch_losses):
         tensors.step(op_ids, lr)
         return True
-    tensors.zero_grad()
+    tensors.zero_grad(op_ids)
     return False
 
 

@@ -22,6 +22,7 @@ versions of the shared ops this process owns.
 from __future__ import annotations
 
 import copy
+from functools import lru_cache
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,9 +35,11 @@ __all__ = ["SharedOps", "SHARED_MODES", "shared_ops_of", "stateful_ops"]
 SHARED_MODES = ("exact", "delayed", "frozen")
 
 
+@lru_cache(maxsize=64)
 def stateful_ops(graph: SupernetGraph) -> frozenset[str]:
     """The ops with parameters or buffers (decided on the meta device, without real weights):
-    the only ones whose order between subnets matters."""
+    the only ones whose order between subnets matters. Once per graph: the lookahead planner
+    and the shared ops both ask."""
     out = set()
     with torch.device("meta"):
         for slot in graph.slots():

@@ -150,6 +150,15 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     }
 
 
+def assert_same_as_reference(got: dict, ref: dict, label: str) -> None:
+    """A run computed what the single-process reference computed: every step's and micro-batch's
+    loss, every evaluation and the final weights, bit for bit."""
+    assert got["losses"] == ref["losses"], f"{label}: step losses differ"
+    assert got["mb_losses"] == ref["mb_losses"], f"{label}: micro-batch losses differ"
+    assert got["evals"] == ref["evals"], f"{label}: evaluations differ"
+    assert got["digest"] == ref["digest"], f"{label}: final params_digest differs"
+
+
 def _worker() -> None:
     """Entry point of a spawned rank: ``python tests/distributed.py <spec.json>``."""
     import torch.distributed as dist

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from distributed import Scenario, run_scenario, spawn
+from distributed import Scenario, assert_same_as_reference, run_scenario, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -60,10 +60,7 @@ def test_replicated_stages_are_bit_identical_to_reference(stages: int, replicas:
             assert got["mb_losses"][0] == ref["mb_losses"][0], f"{label}: the first step (no update yet) differs"
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"{label}: fast reduction drifted"
             continue
-        assert got["mb_losses"] == ref["mb_losses"], f"{label}: micro-batch losses differ"
-        assert got["losses"] == ref["losses"], f"{label}: step losses differ"
-        assert got["evals"] == ref["evals"], f"{label}: evaluations differ"
-        assert got["digest"] == ref["digest"], f"{label}: final params_digest differs"
+        assert_same_as_reference(got, ref, label)
         assert len(got["mb_losses"][0]) == sc.microbatches, f"{label}: every rank sees all micro-batch losses"
         migrated += got["migrated"]
     if stages > 1:

@@ -179,8 +179,9 @@ class TensorManager:
         fresh = self._group.step([(o, self._optims[o]) for o in op_ids], lr)
         self._store.finish_step(stepped, fresh)
 
-    def zero_grad(self) -> None:
-        for opt in self._optims.values():
+    def zero_grad(self, op_ids: Iterable[str] | None = None) -> None:
+        """Drop the gradients of ``op_ids`` (default: of every op this process owns)."""
+        for opt in (self._optims.values() if op_ids is None else (self._optims[op] for op in op_ids)):
             opt.zero_grad(set_to_none=True)
 
     # -- internals -------------------------------------------------------------------------

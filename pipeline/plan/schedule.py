@@ -279,6 +279,10 @@ class WaitRule:
 
     def moves(self) -> tuple[Move, ...]:
         """Every op move the schedule implies, in subnet order."""
+        return self._moves
+
+    @cached_property
+    def _moves(self) -> tuple[Move, ...]:
         out = []
         for op, us in self.users.items():
             for k, (t, s) in enumerate(us):
