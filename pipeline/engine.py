@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
-    "split_batch", "update", "activation_policy", "StepInput", "lookahead", "PLAN_AHEAD",
+    "split_batch", "update", "activation_policy", "StepInput", "lookahead", "step_by_step", "PLAN_AHEAD",
 ]
 
 StepInput = tuple  # (step, arch, x, y): one training step handed to ``Engine.train_steps``
@@ -37,6 +37,16 @@ PLAN_AHEAD = 2  # subnets of the sampler's lookahead an engine plans (or fetches
 def lookahead(items: Sequence[StepInput], i: int, upcoming: Sequence[Arch]) -> list[Arch]:
     """The subnets that follow ``items[i]``: the rest of ``items``, then ``upcoming``."""
     return ([it[1] for it in items[i + 1:]] + list(upcoming))[:PLAN_AHEAD]
+
+
+def step_by_step(engine: Engine, items: Sequence[StepInput], upcoming: Sequence[Arch]) -> list[StepResult]:
+    """``Engine.train_steps`` one flushed step at a time: each step announced with the subnets
+    after it (``plan_ahead``), as the search loop did before segments."""
+    out = []
+    for i, (step, arch, x, y) in enumerate(items):
+        engine.plan_ahead(lookahead(items, i, upcoming))
+        out.append(engine.train_step(step, arch, x, y))
+    return out
 
 
 @dataclass(frozen=True)

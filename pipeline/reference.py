@@ -21,7 +21,7 @@ import torch
 from supernet import Arch, SliceRun, SupernetGraph, classification_loss, op_contexts
 from supernet.execute import whole_slice
 
-from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, lookahead,
+from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, step_by_step,
                      recalibrated_bn, split_batch, update)
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .memory.errors import budget_error
@@ -113,11 +113,7 @@ class ReferenceEngine:
     def train_steps(self, items: Sequence[tuple[int, Arch, torch.Tensor, torch.Tensor]],
                     upcoming: Sequence[Arch] = ()) -> list[StepResult]:
         """Train ``items`` (step, arch, x, y) in order; ``upcoming``: the subnets after them."""
-        out = []
-        for i, (step, arch, x, y) in enumerate(items):
-            self.plan_ahead(lookahead(items, i, upcoming))
-            out.append(self.train_step(step, arch, x, y))
-        return out
+        return step_by_step(self, items, upcoming)
 
     def _activation_choices(self, arch: Arch, x: torch.Tensor) -> Mapping[str, str] | None:
         """``memory.activations`` for ``arch``'s ops (memoised per subnet; pure)."""

@@ -39,7 +39,7 @@ from supernet import Arch, SupernetGraph
 from .agreement import Agreement, AgreementError
 from .evaluation import evaluate_stage
 from .engine import (EvalResult, LrSchedule, StepInput, StepResult, activation_policy, graph_has_batchnorm,
-                     lookahead, split_batch, update)
+                     split_batch, step_by_step, update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
@@ -321,11 +321,7 @@ class PipelineEngine:
         """Train ``items`` in order: one flushed step each (``pipeline.window`` 1, exact shared
         ops), else as cross-subnet schedules, one per run of items between checkpoint boundaries."""
         if self.cross is None:
-            out = []
-            for i, (step, arch, x, y) in enumerate(items):
-                self.plan_ahead(lookahead(items, i, upcoming))
-                out.append(self.train_step(step, arch, x, y))
-            return out
+            return step_by_step(self, items, upcoming)
         runs: list[list] = [[]]
         for item in items:  # a segment never spans a checkpoint boundary (delayed shared ops restart there)
             if runs[-1] and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
