@@ -114,7 +114,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     graph = build_space(rc.space, data.input_shape, data.num_classes)
     space = graph.space()
     seed_archs = [space.validate(a, f"search.seed_archs[{i}]") for i, a in enumerate(rc.search.seed_archs)]
-    make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)  # checks sampler.arch
+    _sampler(rc, space)  # checks sampler.arch
     cost = SubnetCost(graph, data.input_shape, rc.seed)
     rc.search.constraints.check_feasible(space, cost)  # bounds no arch meets fail before training
     fields = train_fields(cfg)
@@ -140,7 +140,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         torch.set_num_threads(rc.threads)
     data, graph, cost = p.data, p.graph, p.cost
     space = graph.space()
-    sampler = make_sampler(rc.sampler.name, space, derive_seed(rc.seed, "sampler"), rc.sampler.arch)
+    sampler = _sampler(rc, space)
     ckpt_path = out / CHECKPOINT_NAME
     interrupts = interrupts if interrupts is not None else Interrupts()  # not installed: never set
     faults = parse_fault(os.environ.get("PIPENAS_FAULT"))
@@ -207,6 +207,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                    "best_per_generation": list(result.history)},
         "params_digest": params_digest(states) if states is not None else None,
         "world_size": engine.world_size,
+        # the order subnets were trained in (the same subnets per fair round or block with locality)
+        "sampler": {"name": rc.sampler.name, "order": sampler.order, "block": sampler.block},
         # how subnets were trained together: in flight at once, and how ops in every subnet were read
         "pipeline": {"window": rc.pipeline.window, "shared_ops": rc.pipeline.shared_ops,
                      "shared_delay": rc.pipeline.shared_delay if rc.pipeline.shared_ops == "delayed" else None},
@@ -230,6 +232,11 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
 
 
 # -- pieces ------------------------------------------------------------------------------------
+
+def _sampler(rc: RunConfig, space: SearchSpace) -> Sampler:
+    s = rc.sampler
+    return make_sampler(s.name, space, derive_seed(rc.seed, "sampler"), s.arch, s.order, s.block)
+
 
 def _output_dir(explicit: str | Path | None) -> Path:
     if explicit is not None:

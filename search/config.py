@@ -26,7 +26,7 @@ from supernet import SupernetError, SupernetGraph, build_op
 
 from .data import Dataset
 from .evolution import Constraints
-from .samplers import SAMPLERS
+from .samplers import ORDERS, SAMPLERS, SamplerError, check_order
 
 __all__ = [
     "ConfigError", "TargetConfig", "TrainConfig", "SamplerConfig", "SearchConfig", "RunConfig",
@@ -76,6 +76,8 @@ class TrainConfig:
 class SamplerConfig:
     name: str
     arch: dict[str, Any] | None = None  # the fixed sampler's arch
+    order: str = "stream"  # or "locality": each fair round / block of draws reordered for op reuse
+    block: int | None = None  # uniform with order=locality: draws per block (null: as many as a fair round)
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,21 @@ def _search(root: _Group) -> SearchConfig:
     return cfg
 
 
+def _sampler(root: _Group) -> SamplerConfig:
+    g = root.group("sampler")
+    arch = g._get("arch", None)
+    if arch is not None and not isinstance(arch, Mapping):
+        raise g.fail("arch", "a mapping label -> value or null", arch)
+    cfg = SamplerConfig(g.choice("name", sorted(SAMPLERS)), None if arch is None else dict(arch),
+                        g.choice("order", ORDERS, "stream"), g.int("block", None, minimum=2, optional=True))
+    try:
+        check_order(cfg.name, cfg.order, cfg.block)
+    except SamplerError as e:
+        raise ConfigError(str(e)) from None
+    g.done()
+    return cfg
+
+
 def _pipeline(root: _Group) -> PipelineSettings:
     g = root.group("pipeline")
     names = [f.name for f in dataclasses.fields(PipelineSettings)]
@@ -329,12 +346,7 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     output_dir = root.str("output_dir", None, optional=True)
     resume = root.bool("resume", True)
     space, data = _target(root, "space"), _target(root, "data")
-    g = root.group("sampler")
-    arch = g._get("arch", None)
-    if arch is not None and not isinstance(arch, Mapping):
-        raise g.fail("arch", "a mapping label -> value or null", arch)
-    sampler = SamplerConfig(g.choice("name", sorted(SAMPLERS)), None if arch is None else dict(arch))
-    g.done()
+    sampler = _sampler(root)
     run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
                     space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),
                     pipeline=_pipeline(root), memory=_memory(root))
@@ -462,7 +474,11 @@ def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     keep = ("checkpoint_every",) if mode == "delayed" else ()
     train = {k: v for k, v in data.get("train", {}).items()
              if k not in ("checkpoint_every", "log_every", "nonfinite") or k in keep}
-    fields = {"seed": data.get("seed"), "space": data.get("space"), "sampler": data.get("sampler"),
+    # the stream order at its defaults is left out, so runs from before it was a choice keep their digest
+    sampler = data.get("sampler")
+    if isinstance(sampler, Mapping):
+        sampler = {k: v for k, v in sampler.items() if (k, v) not in (("order", "stream"), ("block", None))}
+    fields = {"seed": data.get("seed"), "space": data.get("space"), "sampler": sampler,
               "data": data.get("data"), "train": train}
     if mode != "exact":
         fields["shared_ops"] = {"mode": mode, **({"delay": pipe.get("shared_delay", 1)} if mode == "delayed" else {})}

@@ -14,6 +14,12 @@ stream from the seed and replays that many, which is always right and cheap.
 * ``fixed`` — one given arch every step: the supernet trains that subnet alone (its other
   ops get no gradient), which is stand-alone training through the same engine
   (``bench/ranking.py`` uses it for the ground truth).
+
+``order``: ``stream`` yields the archs as drawn. ``locality`` cuts the drawn stream into blocks
+(a fair round; ``block`` draws for ``uniform``, by default as many as a fair round) and yields
+each block in :func:`search.order.locality_order`, archs that reuse recently used ops first: the
+same archs per block, so the same fairness counts per round, in an order meant to raise the
+tensor manager's hit rate. Either order is a pure function of ``(space, seed, order, block)``.
 """
 from __future__ import annotations
 
@@ -26,7 +32,12 @@ from typing import Any
 
 from supernet import Arch, SearchSpace
 
-__all__ = ["Sampler", "UniformSampler", "FairSampler", "FixedSampler", "SamplerError", "SAMPLERS", "make_sampler"]
+from .order import locality_order, record_uses
+
+__all__ = ["Sampler", "UniformSampler", "FairSampler", "FixedSampler", "SamplerError", "SAMPLERS", "ORDERS",
+           "make_sampler", "check_order"]
+
+ORDERS = ("stream", "locality")
 
 
 class SamplerError(ValueError):
@@ -38,22 +49,47 @@ class Sampler:
 
     kind = "base"
 
-    def __init__(self, space: SearchSpace, seed: int) -> None:
+    def __init__(self, space: SearchSpace, seed: int, order: str = "stream", block: int | None = None) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise SamplerError(f"sampler seed: expected an integer, found {seed!r}")
         if len(space) == 0:
             raise SamplerError("sampler: the search space has no choices; there is nothing to sample")
+        check_order(self.kind, order, block)
         self.space = space
         self.seed = seed
+        self.order = order
+        self._block = block
         self._reset()
 
     def _reset(self) -> None:
-        self._it: Iterator[Arch] = self._stream(random.Random(self.seed))
+        stream = self._stream(random.Random(self.seed))
+        self._it: Iterator[Arch] = stream if self.order == "stream" else self._reordered(stream)
         self._buffer: deque[Arch] = deque()
         self._consumed = 0
 
     def _stream(self, rng: random.Random) -> Iterator[Arch]:
         raise NotImplementedError
+
+    @property
+    def block(self) -> int | None:
+        """How many drawn archs the locality order permutes at a time; None with ``order=stream``."""
+        return None if self.order == "stream" else self._block_size()
+
+    def _block_size(self) -> int:
+        # by default a fair round's size, which for the fair sampler (no block of its own) keeps
+        # each round's archs together
+        return self._block if self._block is not None else _widest(self.space)
+
+    def _reordered(self, stream: Iterator[Arch]) -> Iterator[Arch]:
+        # Whole blocks are drawn before any is yielded, so the order is a pure function of the
+        # drawn stream whatever the consumer's peeking pattern.
+        n, step, last_use = self._block_size(), 0, {}
+        while True:
+            block = [next(stream) for _ in range(n)]
+            ordered = [block[i] for i in locality_order(block, last_use, step)]
+            last_use = record_uses(ordered, last_use, step)
+            step += n
+            yield from ordered
 
     @property
     def consumed(self) -> int:
@@ -78,15 +114,20 @@ class Sampler:
         return list(self._buffer)[:k]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "seed": self.seed, "space": space_digest(self.space), "consumed": self._consumed}
+        return {"kind": self.kind, "seed": self.seed, "space": space_digest(self.space), "order": self.order,
+                "block": self.block, "consumed": self._consumed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a stream position saved by :meth:`state_dict` (replays from the seed)."""
-        for key, mine in (("kind", self.kind), ("seed", self.seed), ("space", space_digest(self.space))):
-            if state.get(key) != mine:
+        """Restore a stream position saved by :meth:`state_dict` (replays from the seed). A state
+        without ``order`` (written before there was a choice) is of the ``stream`` order."""
+        saved = {"order": "stream", "block": None, **state}
+        mine = {"kind": self.kind, "seed": self.seed, "space": space_digest(self.space), "order": self.order,
+                "block": self.block}
+        for key, value in mine.items():
+            if saved.get(key) != value:
                 raise SamplerError(
-                    f"sampler state: saved {key} is {state.get(key)!r} but this sampler has {mine!r}; "
-                    "a checkpoint can only resume the run (sampler, seed, space) that wrote it"
+                    f"sampler state: saved {key} is {saved.get(key)!r} but this sampler has {value!r}; "
+                    "a checkpoint can only resume the run (sampler, seed, space, order) that wrote it"
                 )
         consumed = state.get("consumed")
         if not isinstance(consumed, int) or consumed < 0:
@@ -113,7 +154,7 @@ class FairSampler(Sampler):
 
     @property
     def round_size(self) -> int:
-        return max(len(c.values) for c in self.space.choices)
+        return _widest(self.space)
 
     def _stream(self, rng: random.Random) -> Iterator[Arch]:
         n = self.round_size
@@ -131,9 +172,10 @@ class FixedSampler(Sampler):
 
     kind = "fixed"
 
-    def __init__(self, space: SearchSpace, seed: int, arch: Arch) -> None:
+    def __init__(self, space: SearchSpace, seed: int, arch: Arch, order: str = "stream",
+                 block: int | None = None) -> None:
         self.arch = arch
-        super().__init__(space, seed)
+        super().__init__(space, seed, order, block)
 
     def _stream(self, rng: random.Random) -> Iterator[Arch]:
         while True:
@@ -141,6 +183,11 @@ class FixedSampler(Sampler):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "arch": self.arch.to_json()}
+
+
+def _widest(space: SearchSpace) -> int:
+    """The most values of any label: a fair round's size."""
+    return max(len(c.values) for c in space.choices)
 
 
 def _passes(values: tuple[Hashable, ...], rng: random.Random) -> Iterator[Hashable]:
@@ -160,8 +207,29 @@ def space_digest(space: SearchSpace) -> str:
 SAMPLERS: dict[str, type[Sampler]] = {"uniform": UniformSampler, "fair": FairSampler, "fixed": FixedSampler}
 
 
-def make_sampler(name: str, space: SearchSpace, seed: int, arch: Mapping[str, Any] | None = None) -> Sampler:
-    """The sampler ``name``; ``fixed`` takes the arch it trains (validated against ``space``)."""
+def check_order(name: str, order: str, block: int | None) -> None:
+    """Which samplers take which ``sampler.order`` and ``sampler.block``: SamplerError naming the field."""
+    if order not in ORDERS:
+        raise SamplerError(f"sampler.order: expected one of {list(ORDERS)}, found {order!r}")
+    if name == "fixed" and order != "stream":
+        raise SamplerError(f"sampler.order: expected 'stream' for the fixed sampler (one arch every step: nothing "
+                           f"to reorder), found {order!r}")
+    if block is None:
+        return
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
+        raise SamplerError(f"sampler.block: expected an integer >= 2 or null, found {block!r}")
+    if name != "uniform":
+        raise SamplerError(f"sampler.block: expected null for the {name} sampler (only uniform draws are cut into "
+                           f"blocks; a fair round is the fair sampler's block), found {block!r}")
+    if order != "locality":
+        raise SamplerError(f"sampler.block: expected null with sampler.order={order} (only the locality order cuts "
+                           f"the stream into blocks), found {block!r}")
+
+
+def make_sampler(name: str, space: SearchSpace, seed: int, arch: Mapping[str, Any] | None = None,
+                 order: str = "stream", block: int | None = None) -> Sampler:
+    """The sampler ``name``; ``fixed`` takes the arch it trains (validated against ``space``);
+    ``order`` and ``block`` as in the module docstring."""
     try:
         cls = SAMPLERS[name]
     except KeyError:
@@ -170,7 +238,7 @@ def make_sampler(name: str, space: SearchSpace, seed: int, arch: Mapping[str, An
         if arch is None:
             raise SamplerError("sampler.arch: the fixed sampler needs the arch to train, e.g. "
                                "sampler.arch={layer00: k3e3, ...}; found null")
-        return FixedSampler(space, seed, space.validate(arch, "sampler.arch"))
+        return FixedSampler(space, seed, space.validate(arch, "sampler.arch"), order, block)
     if arch is not None:
         raise SamplerError(f"sampler.arch: only the fixed sampler takes an arch; sampler {name!r} found {dict(arch)!r}")
-    return cls(space, seed)
+    return cls(space, seed, order, block)

@@ -52,6 +52,7 @@ class Scenario:
     segment: int = 0  # > 0: hand the engine this many steps at once (train_steps), as the app does
     checkpoint_every: int = 0  # where checkpoint boundaries fall (delayed shared ops restart there)
     sampler: str = "random"  # random (seeded uniform draws) or a search.samplers name (uniform, fair)
+    order: str = "stream"  # the search.samplers sampler's order (stream or locality)
 
 
 def build_graph(space: str):
@@ -65,12 +66,12 @@ def step_data(seed: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(batch, 1, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def arch_stream(graph, seed: int, n: int, sampler: str = "random"):
+def arch_stream(graph, seed: int, n: int, sampler: str = "random", order: str = "stream"):
     space = graph.space()
     if sampler != "random":
         from search.samplers import make_sampler
 
-        s = make_sampler(sampler, space, seed)
+        s = make_sampler(sampler, space, seed, order=order)
         return [s.next() for _ in range(n)]
     rng = random.Random(seed)
     return [space.random(rng) for _ in range(n)]
@@ -94,7 +95,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
 
     graph = build_graph(sc.space)
     engine = make_engine(sc, graph, env)
-    archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs, sc.sampler)
+    archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs, sc.sampler, sc.order)
     if env is not None and env.rank == sc.diverge_rank:  # a misconfigured rank (agreement tests)
         archs[sc.diverge_at:] = arch_stream(graph, sc.seed + 1, len(archs) - sc.diverge_at)
     if sc.load:

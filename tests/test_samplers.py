@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from search.samplers import FairSampler, SamplerError, UniformSampler, make_sampler
+from search.samplers import ORDERS, FairSampler, SamplerError, UniformSampler, make_sampler
 from supernet import Arch, Choice, SearchSpace, SupernetError
 
 SPACE = SearchSpace([
@@ -17,20 +17,22 @@ SPACE = SearchSpace([
 KINDS = ["uniform", "fair"]
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_same_seed_same_stream_other_seed_other_stream(kind: str) -> None:
-    s1, s2, s3 = (make_sampler(kind, SPACE, seed) for seed in (7, 7, 8))
+def test_same_seed_same_stream_other_seed_other_stream(kind: str, order: str) -> None:
+    s1, s2, s3 = (make_sampler(kind, SPACE, seed, order=order) for seed in (7, 7, 8))
     one = [s1.next() for _ in range(40)]
     assert one == [s2.next() for _ in range(40)]
     assert one != [s3.next() for _ in range(40)]
-    assert one[0] == make_sampler(kind, SPACE, 7).peek(1)[0]
+    assert one[0] == make_sampler(kind, SPACE, 7, order=order).peek(1)[0]
     assert all(SPACE.validate(arch) == arch for arch in one)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_peek_does_not_consume_and_equals_next(kind: str) -> None:
-    s = make_sampler(kind, SPACE, 3)
-    plain = make_sampler(kind, SPACE, 3)
+def test_peek_does_not_consume_and_equals_next(kind: str, order: str) -> None:
+    s = make_sampler(kind, SPACE, 3, order=order)
+    plain = make_sampler(kind, SPACE, 3, order=order)
     expected = [plain.next() for _ in range(30)]
     got = []
     for k in (0, 5, 1, 9, 2, 0, 13):
@@ -70,16 +72,17 @@ def test_uniform_covers_every_value() -> None:
     assert set(counts) == {"p", "q", "r"} and min(counts.values()) > 150
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_resume_equals_uninterrupted(kind: str) -> None:
-    full = make_sampler(kind, SPACE, 5)
+def test_resume_equals_uninterrupted(kind: str, order: str) -> None:
+    full = make_sampler(kind, SPACE, 5, order=order)
     expected = [full.next() for _ in range(25)]
-    first = make_sampler(kind, SPACE, 5)
+    first = make_sampler(kind, SPACE, 5, order=order)
     head = [first.next() for _ in range(9)]
     first.peek(6)  # lookahead is not part of the state
     state = first.state_dict()
     assert state["consumed"] == 9
-    resumed = make_sampler(kind, SPACE, 5)
+    resumed = make_sampler(kind, SPACE, 5, order=order)
     resumed.next()  # whatever it did before, loading puts it at the saved position
     resumed.load_state_dict(state)
     assert head + [resumed.next() for _ in range(16)] == expected
