@@ -147,9 +147,16 @@ class VirtualStore(WorkingSet):
         if waited:
             self.counters.add(stall_s=time.perf_counter() - t0)
 
-    @_timed
     def use(self, op_id: str, mutates: bool) -> None:
         """The op is about to be used (forward, backward or step): resident, pinned, immovable."""
+        if op_id in self.in_use and not self._blocked:  # used this step already: nothing can have moved it
+            rec = self.ops[op_id]
+            if rec.dirty or not (mutates and rec.buffer_owner):
+                return
+        self._use(op_id, mutates)
+
+    @_timed
+    def _use(self, op_id: str, mutates: bool) -> None:
         if op_id not in self.pinned or self.ops[op_id].state != RESIDENT:
             self.ensure([op_id])
         rec = self.ops[op_id]
