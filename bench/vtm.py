@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
 from pipeline.plan.simulate import Copy, HostLinks, makespan, simulate  # noqa: E402
+from search.samplers import make_sampler  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
 SCHEDULE = "1f1b"
@@ -79,19 +79,27 @@ class Space:
     actives: tuple  # per subnet, its active ops (50, node order)
 
 
-def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: float) -> Space:
-    graph = transformer.build(input_shape=CFG["sample_shape"], num_classes=10, preset="naspipe", layers=48,
-                              width=CFG["width"])
-    table = analytic_costs(graph, CFG["sample_shape"], CFG["microbatch"], "adamw", flops_per_s=flops,
-                           bytes_per_s=hbm, overhead_s=overhead)
-    rng = random.Random(seed)
-    archs = tuple(graph.space().random(rng) for _ in range(subnets))
+def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: float, sampler: str = "uniform",
+                order: str = "stream", graph=None, table: CostTable | None = None) -> Space:
+    """NASPipe's space, its cost table (or the ``graph`` and ``table`` given) and ``subnets`` archs
+    from the app's sampler (``uniform``: SPOS, ``fair``: FairNAS rounds) in ``order``
+    (``locality``: :func:`search.order.locality_order` within each round or block)."""
+    if graph is None:
+        graph = transformer.build(input_shape=CFG["sample_shape"], num_classes=10, preset="naspipe", layers=48,
+                                  width=CFG["width"])
+    if table is None:
+        table = analytic_costs(graph, CFG["sample_shape"], CFG["microbatch"], "adamw", flops_per_s=flops,
+                               bytes_per_s=hbm, overhead_s=overhead)
+    stream = make_sampler(sampler, graph.space(), seed, order=order)
+    archs = tuple(stream.next() for _ in range(subnets))
     return Space(graph, table, archs, tuple(tuple(graph.active_ops(a)) for a in archs))
 
 
 def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
-                host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT) -> dict:
-    """Simulate every policy over the subnets for one setting; the figures of one JSON line."""
+                host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT,
+                ceiling: bool = False) -> dict:
+    """Simulate every policy over the subnets for one setting; the figures of one JSON line
+    (with ``ceiling``, also :func:`memory_ceiling`'s)."""
     table, n = space.table, len(space.actives)
     ops = table.ops
     link = CFG["link"]
@@ -190,6 +198,8 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     # all-resident: infinite memory, no copies, every activation kept
     base = sum(makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n))
     out["all_resident"] = {"subnets_per_hour": 3600 * n / base, "step_ms": 1e3 * base / n}
+    if ceiling:
+        out["ceiling"] = memory_ceiling(schedule, P, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw)
     for policy in policies:
         try:
             plans = [plan_residency(ids[s], size, stages[s]["resident"], policy, prefetch_depth=1,
@@ -205,6 +215,33 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
             if "subnets_per_hour" in out.get("on_demand", {}):
                 out[policy]["over_on_demand"] = out[policy]["subnets_per_hour"] / out["on_demand"]["subnets_per_hour"]
     return out
+
+
+def memory_ceiling(schedule, P, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw) -> dict:
+    """What no optimizer placement or eviction policy can beat under this split and budget: op
+    copies free and instant, and the stage holding, besides the step's gradients and activations,
+    only the weights of the ops it computes (4 B/param: nothing fetched ahead, every optimizer
+    state away). The activations get the rest of the budget, step by step, with the whole host
+    link to themselves (swaps hide behind all of the stage's compute); the activation plan's
+    recompute and exposed swap time is what is left of the all-resident throughput."""
+    n = fwd.shape[1]
+    added = np.zeros((P, n))
+    for s, st in enumerate(stages):
+        for t in range(n):
+            need = sum(ops[o].param_bytes for o in ids[s][t])
+            acts = budget - 2 * need  # the step's weights and their gradients
+            if st["keep"][t] <= acts:
+                continue
+            try:
+                plan = plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], in_flight(SCHEDULE, P, M)[s],
+                                        M, acts, link_bw, M * (fwd[s, t] + bwd[s, t]), cut[s][t], resolution=1 << 20)
+            except ActivationError as e:
+                return {"infeasible": str(e), "short_by_bytes": e.short_by}
+            added[s, t] = plan.added_s
+    total = sum(makespan(schedule, fwd[:, t], bwd[:, t] + added[:, t] / M, send) for t in range(n))
+    return {"subnets_per_hour": 3600 * n / total, "over_all_resident": base / total,
+            "assumes": "op copies free; only the step's weights, gradients and activations on the device; "
+                       "the host link carries swaps alone"}
 
 
 def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes, placement, on_host, link_bw,
@@ -321,6 +358,13 @@ def main() -> None:
     ap.add_argument("--hbm", type=float, default=2e12)
     ap.add_argument("--overhead", type=float, default=1e-5)
     ap.add_argument("--host-update", type=float, default=1.5e9, help="host AdamW parameters/s per stage")
+    ap.add_argument("--samplers", nargs="+", default=["uniform"], choices=["uniform", "fair"],
+                    help="the app's samplers the subnets come from (sampler.name)")
+    ap.add_argument("--orders", nargs="+", default=["stream"], choices=["stream", "locality"],
+                    help="sampler.order: as drawn, or locality-aware within each fair round / block of draws")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also the memory ceiling per setting (memory_ceiling: copies free, only the step's "
+                         "weights, gradients and activations on the device)")
     args, rest = ap.parse_known_args()
     if args.mode == "measure" or (args.mode is None and args.device is not None):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -331,8 +375,13 @@ def main() -> None:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     t0 = time.perf_counter()
-    space = build_space(args.subnets, args.seed, args.flops, args.hbm, args.overhead)
-    progress(f"cost table and {args.subnets} subnets in {time.perf_counter() - t0:.1f} s")
+    built = build_space(args.subnets, args.seed, args.flops, args.hbm, args.overhead, args.samplers[0],
+                        args.orders[0])
+    spaces = {(sm, od): built if (sm, od) == (args.samplers[0], args.orders[0]) else
+              build_space(args.subnets, args.seed, args.flops, args.hbm, args.overhead, sm, od, built.graph,
+                          built.table)
+              for sm in args.samplers for od in args.orders}
+    progress(f"cost table and {args.subnets} subnets x {len(spaces)} streams in {time.perf_counter() - t0:.1f} s")
     runs = []  # (P, oversub, placement, link, M, policies)
     for link_bw in args.links:
         first = link_bw == args.links[0]
@@ -342,25 +391,27 @@ def main() -> None:
             runs += [(P, o, pl, link_bw, M, policies) for P in args.stages for o in args.oversub
                      for pl in args.placements]
     rows = []
-    for P, oversub, placement, link_bw, M, policies in runs:
-        t1 = time.perf_counter()
-        res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies,
-                          reuse_rule(args.hybrid_gap))
-        b = res.get("belady", {})
-        progress(f"P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: {time.perf_counter() - t1:.1f} s, "
-                 f"belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "
-                 f"/on-demand {b.get('over_on_demand', float('nan')):.3f}")
-        rows.append({
-            "bench": "vtm", "mode": args.mode, "P": P, "M": M,
-            "tokens_per_step": M * CFG["microbatch"] * CFG["sample_shape"][0],
-            "naspipe_batch": M in args.naspipe_microbatches,
-            "oversubscription": oversub, "placement": placement, "host_link_GBps": link_bw / 1e9,
-            "flops_per_s": args.flops, "hbm_bytes_per_s": args.hbm, "overhead_s": args.overhead,
-            "host_update_params_per_s": args.host_update, "subnets": args.subnets, "seed": args.seed,
-            "schedule": SCHEDULE, **res,
-            "baseline": "all_resident (infinite memory), on_demand and lru, same run",
-        })
-    rows += hide_threshold([r for r in rows if r["host_link_GBps"] == args.links[0] / 1e9])
+    for (sampler, order), space in spaces.items():
+        for P, oversub, placement, link_bw, M, policies in runs:
+            t1 = time.perf_counter()
+            res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies,
+                              reuse_rule(args.hybrid_gap), ceiling=args.ceiling)
+            b = res.get("belady", {})
+            progress(f"{sampler}/{order} P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: "
+                     f"{time.perf_counter() - t1:.1f} s, belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "
+                     f"/on-demand {b.get('over_on_demand', float('nan')):.3f}")
+            rows.append({
+                "bench": "vtm", "mode": args.mode, "sampler": sampler, "order": order, "P": P, "M": M,
+                "tokens_per_step": M * CFG["microbatch"] * CFG["sample_shape"][0],
+                "naspipe_batch": M in args.naspipe_microbatches,
+                "oversubscription": oversub, "placement": placement, "host_link_GBps": link_bw / 1e9,
+                "flops_per_s": args.flops, "hbm_bytes_per_s": args.hbm, "overhead_s": args.overhead,
+                "host_update_params_per_s": args.host_update, "subnets": args.subnets, "seed": args.seed,
+                "schedule": SCHEDULE, **res,
+                "baseline": "all_resident (infinite memory), on_demand and lru, same run",
+            })
+    rows += hide_threshold([r for r in rows if r["host_link_GBps"] == args.links[0] / 1e9
+                            and (r["sampler"], r["order"]) == (args.samplers[0], args.orders[0])])
     progress(f"total {time.perf_counter() - t0:.0f} s")
     emit("vtm", rows)
 

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizer", default=MemorySettings().optimizer, choices=OPTIMIZER_PLACEMENTS,
                     help="memory.optimizer (default: the config's default): the state stays on the host and is "
                          "updated there, travels with its op (device), or per op and step (hybrid)")
+    ap.add_argument("--sampler", default=None, choices=("uniform", "fair"), help="sampler.name (default: the config's)")
+    ap.add_argument("--order", default="stream", choices=("stream", "locality"),
+                    help="sampler.order in both modes: as drawn, or locality-aware within each fair round / block")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         for row in bandwidth():
             print(json.dumps(row), flush=True)
     for name in args.setting or sorted(SETTINGS):
-        base = [*SETTINGS[name], *COMMON, f"device={args.device}"]
+        base = [*SETTINGS[name], *COMMON, f"device={args.device}", f"sampler.order={args.order}",
+                *([f"sampler={args.sampler}"] if args.sampler else [])]
         supernet_bytes, largest = footprints(base, args.optimizer)
         budget = int(largest * args.budget_scale)
         modes = {"resident": base,
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         mem = runs["budget"][0]["memory"]
         out = {
             "kind": "summary", "setting": name, "device": args.device, "policy": args.policy,
-            "optimizer": args.optimizer,
+            "optimizer": args.optimizer, "sampler": args.sampler or "config default", "order": args.order,
             "cpu_copies": args.cpu_copies if args.device == "cpu" else None,
             "supernet_bytes": supernet_bytes, "largest_subnet_bytes": largest, "budget_bytes": budget,
             "oversubscription": round(supernet_bytes / budget, 2), "rounds": args.rounds,

@@ -1,6 +1,7 @@
 """The tensor-manager benchmark's accounting on NASPipe's space (simulated: no clocks asserted)."""
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -60,3 +61,25 @@ def test_hybrid_is_at_least_the_better_placement(space, oversub: float) -> None:
     assert hyb["hit_rate"] > 0 and 0 < r["hybrid"]["hybrid"]["host_share"] < 1
     assert hyb["hit_rate"] + hyb["prefetched_share"] + hyb["miss_share"] == pytest.approx(1.0)
     assert hyb["peak_resident_GB"] * 1e9 <= max(st["resident"] for st in r["hybrid"]["stage_memory_GB"]) * 1e9 + 1e6
+
+
+@pytest.mark.parametrize("placement", ["host", "hybrid"])
+def test_the_memory_ceiling_bounds_every_policy(space, placement: str) -> None:
+    """Copies free and only the step's weights held: no placement or policy does better."""
+    r = run_setting(space, 8, 8, 8.0, placement, 25e9, 1.5e9, ("on_demand", "belady"), ceiling=True)
+    ceiling = r["ceiling"]["subnets_per_hour"]
+    assert ceiling <= r["all_resident"]["subnets_per_hour"] * (1 + 1e-9)
+    for policy in ("on_demand", "belady"):
+        assert r[policy]["subnets_per_hour"] <= ceiling * (1 + 1e-9)
+
+
+def test_the_app_samplers_and_orders_train_the_same_subnets_per_round(space) -> None:
+    """bench/vtm.py takes its subnets from the app's samplers: uniform as drawn is the stream it
+    always simulated; the locality order permutes each fair round (the same subnets)."""
+    rng = random.Random(0)  # what the bench drew before it asked the app's sampler
+    assert space.archs == tuple(space.graph.space().random(rng) for _ in range(30))
+    fair = build_space(48, 0, 2e14, 2e12, 1e-5, "fair", "stream", space.graph, space.table)
+    local = build_space(48, 0, 2e14, 2e12, 1e-5, "fair", "locality", space.graph, space.table)
+    for k in (0, 24):  # NASPipe's rounds: 24 candidates per layer
+        assert sorted(map(repr, fair.archs[k:k + 24])) == sorted(map(repr, local.archs[k:k + 24]))
+    assert fair.archs != local.archs
