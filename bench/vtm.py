@@ -56,7 +56,7 @@ from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
-from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, limit_host, plan_hybrid, reuse_rule  # noqa: E402
+from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, HybridPlan, limit_host, plan_hybrid, reuse_rule, shed_to_fit  # noqa: E402,E501
 from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
@@ -97,9 +97,17 @@ def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: flo
 
 def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
                 host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT,
-                ceiling: bool = False) -> dict:
+                ceiling: bool = False, arena_quantile: float = 1.0) -> dict:
     """Simulate every policy over the subnets for one setting; the figures of one JSON line
-    (with ``ceiling``, also :func:`memory_ceiling`'s)."""
+    (with ``ceiling``, also :func:`memory_ceiling`'s).
+
+    ``arena_quantile``: the stage's arena holds that quantile of its two-step op state over the
+    subnets (1: the largest pair, so every prefetch has room; below 1 the activations get more
+    memory and the pairs over it fetch what does not fit when their step starts); with
+    ``hybrid`` a step whose ops do not fit with the state they keep sends state home
+    (:func:`~pipeline.plan.hybrid.shed_to_fit`, as the runtime store does)."""
+    if not 0 < arena_quantile <= 1:
+        raise ValueError(f"arena_quantile: expected a number in (0, 1], found {arena_quantile!r}")
     table, n = space.table, len(space.actives)
     ops = table.ops
     link = CFG["link"]
@@ -136,26 +144,31 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
         on_host = [tuple(frozenset(u) if placement == "host" else frozenset() for u in ids[s]) for s in range(P)]
     use_size = [[{o: weights[o] if o in on_host[s][t] else size[o] for o in ids[s][t]} for t in range(n)]
                 for s in range(P)]
-    out: dict = {"budget_per_stage_GB": budget / 1e9, "bounds": list(bounds)}
-    if placement == "hybrid":
-        out["hybrid"] = {"max_gap": hybrid.max_gap, "hold": hybrid.hold,
-                         "host_share": sum(len(h) for st in on_host for h in st) / (n * 50)}
+    out: dict = {"budget_per_stage_GB": budget / 1e9, "bounds": list(bounds), "arena_quantile": arena_quantile}
 
     # memory split per stage: grads of the active ops, activations, then op state
     stages = []
     for s in range(P):
         grads = max(sum(ops[o].param_bytes for o in u) for u in ids[s])
-        state = [sum(u.values()) for u in use_size[s]]
         # this step's op state and the next one's (an op both use is one copy on the device)
-        two_steps = max(sum({**a, **b}.values()) for a, b in zip(use_size[s], use_size[s][1:] + [{}]))
+        pairs = sorted(sum({**a, **b}.values()) for a, b in zip(use_size[s], use_size[s][1:] + [{}]))
+        two_steps = pairs[min(n - 1, math.ceil(arena_quantile * n) - 1)]
         inputs = [[0] + [table.out_bytes[space.actives[t][k - 1].node] for k in range(bounds[s] + 1, bounds[s + 1])]
                   for t in range(n)]
         keep = [F[s] * (sum(ops[o].act_bytes for o in ids[s][t]) + cut[s][t]) for t in range(n)]
         floor = max(min_activation_memory([ops[o] for o in ids[s][t]], inputs[t], F[s], cut[s][t]) for t in range(n))
         acts = max(min(max(keep), budget - grads - two_steps), floor)
         resident = int(budget - grads - acts)
+        if placement == "hybrid" and arena_quantile < 1:
+            plan = HybridPlan(on_host[s], tuple(frozenset(u) - h for u, h in zip(ids[s], on_host[s])), 0.0)
+            on_host[s] = shed_to_fit(plan, ids[s], weights, optim, resident).on_host
+            use_size[s] = [{o: weights[o] if o in on_host[s][t] else size[o] for o in ids[s][t]} for t in range(n)]
+        state = [sum(u.values()) for u in use_size[s]]
         stages.append(dict(grads=grads, acts=acts, resident=resident, keep=keep, inputs=inputs, state=state,
                            floor=floor, two_steps=two_steps))
+    if placement == "hybrid":
+        out["hybrid"] = {"max_gap": hybrid.max_gap, "hold": hybrid.hold,
+                         "host_share": sum(len(h) for st in on_host for h in st) / (n * 50)}
     # the partitioner's memory model of the tensor manager (pipeline.plan.partition.ManagedMemory)
     # on the same split: active ops' state + grads, the least activation memory, a step's op
     # state reserved for prefetching
@@ -214,6 +227,23 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
             out[policy]["over_all_resident"] = out[policy]["subnets_per_hour"] / out["all_resident"]["subnets_per_hour"]
             if "subnets_per_hour" in out.get("on_demand", {}):
                 out[policy]["over_on_demand"] = out[policy]["subnets_per_hour"] / out["on_demand"]["subnets_per_hour"]
+    return out
+
+
+def best_arena(quantiles, *args, **kwargs) -> dict:
+    """:func:`run_setting` with the arena quantile whose Belady replay is fastest (one quantile: that
+    one), the others' throughput over all-resident beside it (``arena_quantile_tried``)."""
+    if len(quantiles) == 1:
+        return run_setting(*args, **kwargs, arena_quantile=quantiles[0])
+    one = {k: v for k, v in kwargs.items() if k != "ceiling"}
+    tried = {}
+    for q in quantiles:
+        r = run_setting(*args[:7], ("belady",), *args[8:], **one, arena_quantile=q)
+        b = r.get("belady", {})
+        tried[q] = b["over_all_resident"] if "over_all_resident" in b else None  # None: infeasible
+    best = max((q for q in quantiles if tried[q] is not None), key=lambda q: (tried[q], q), default=quantiles[0])
+    out = run_setting(*args, **kwargs, arena_quantile=best)
+    out["arena_quantile_tried"] = {str(q): None if v is None else round(v, 4) for q, v in tried.items()}
     return out
 
 
@@ -362,6 +392,9 @@ def main() -> None:
                     help="the app's samplers the subnets come from (sampler.name)")
     ap.add_argument("--orders", nargs="+", default=["stream"], choices=["stream", "locality"],
                     help="sampler.order: as drawn, or locality-aware within each fair round / block of draws")
+    ap.add_argument("--arena-quantiles", type=float, nargs="+", default=[1.0],
+                    help="size each stage's arena at these quantiles of its two-step op state (run_setting's "
+                         "arena_quantile); with several, each is replayed under Belady and the fastest kept")
     ap.add_argument("--ceiling", action="store_true",
                     help="also the memory ceiling per setting (memory_ceiling: copies free, only the step's "
                          "weights, gradients and activations on the device)")
@@ -394,8 +427,8 @@ def main() -> None:
     for (sampler, order), space in spaces.items():
         for P, oversub, placement, link_bw, M, policies in runs:
             t1 = time.perf_counter()
-            res = run_setting(space, P, M, oversub, placement, link_bw, args.host_update, policies,
-                              reuse_rule(args.hybrid_gap), ceiling=args.ceiling)
+            res = best_arena(args.arena_quantiles, space, P, M, oversub, placement, link_bw, args.host_update,
+                             policies, reuse_rule(args.hybrid_gap), ceiling=args.ceiling)
             b = res.get("belady", {})
             progress(f"{sampler}/{order} P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: "
                      f"{time.perf_counter() - t1:.1f} s, belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "

@@ -83,3 +83,15 @@ def test_the_app_samplers_and_orders_train_the_same_subnets_per_round(space) -> 
     for k in (0, 24):  # NASPipe's rounds: 24 candidates per layer
         assert sorted(map(repr, fair.archs[k:k + 24])) == sorted(map(repr, local.archs[k:k + 24]))
     assert fair.archs != local.archs
+
+
+def test_a_smaller_arena_quantile_gives_the_activations_more_memory(space) -> None:
+    full = run_setting(space, 4, 16, 8.0, "hybrid", 25e9, 1.5e9, ("belady",))
+    assert run_setting(space, 4, 16, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), arena_quantile=1.0) == full
+    half = run_setting(space, 4, 16, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), arena_quantile=0.5)
+    for a, b in zip(full["stage_memory_GB"], half["stage_memory_GB"]):
+        assert b["acts"] >= a["acts"] and b["resident"] <= a["resident"]
+    assert half["belady"]["peak_resident_GB"] <= max(st["resident"] for st in half["stage_memory_GB"]) + 1e-3
+    assert half["hybrid"]["host_share"] >= full["hybrid"]["host_share"]  # state sent home where a step is over
+    with pytest.raises(ValueError, match="arena_quantile"):
+        run_setting(space, 4, 16, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), arena_quantile=0.0)

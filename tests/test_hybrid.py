@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pipeline.plan.hybrid import HybridCosts, limit_host, op_runs, plan_hybrid, reuse_rule
+from pipeline.plan.hybrid import HybridCosts, limit_host, op_runs, plan_hybrid, reuse_rule, shed_to_fit
 from pipeline.plan.residency import next_use, plan_residency
 
 
@@ -127,3 +127,41 @@ def test_the_residency_plan_executes_a_hybrid_placement(seed: int) -> None:
         assert sum(resident.values()) == st.resident_bytes
         for op in st.writeback:  # only copies with their state (updated on the device) go back
             assert any(op in place.on_device[u] or op in st_u.hits for u, st_u in enumerate(plan.steps[: t + 1]))
+
+
+def test_shed_to_fit_sends_state_home_in_op_order_until_the_step_fits() -> None:
+    trace = [("a", "b", "c"), ("a", "b", "c"), ("d",)]
+    w = {o: 10 for o in "abcd"}
+    s = {o: 20 for o in "abcd"}
+    plan = plan_hybrid(trace, w, s, reuse_rule(1))
+    assert plan.on_device[0] == {"a", "b", "c"}  # each reused by the next step: 90 bytes
+    shed = shed_to_fit(plan, trace, w, s, 60)
+    # a, then b go home (op order) until 30 + 20 + ... fits in 60: 90 -> 70 -> 50
+    assert shed.on_host[0] == {"a", "b"} and shed.on_device[0] == {"c"}
+    assert shed.on_host[1] == {"a", "b"} and shed.on_device[1] == {"c"}
+    assert shed.on_host[2] == plan.on_host[2]
+    assert shed_to_fit(plan, trace, w, s, 90) == plan
+    with pytest.raises(ValueError, match="a plan of 2 steps, found 3"):
+        shed_to_fit(plan, trace[:2], w, s, 60)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_shed_to_fit_only_moves_device_uses_home_and_fits_what_can_fit(seed: int) -> None:
+    rng = random.Random(1700 + seed)
+    ops = [f"o{k}" for k in range(rng.randint(3, 8))]
+    trace = [tuple(rng.sample(ops, rng.randint(1, min(4, len(ops))))) for _ in range(rng.randint(2, 15))]
+    w = {o: rng.randint(1, 5) for o in ops}
+    s = {o: rng.choice([1, 2]) * w[o] for o in ops}
+    plan = plan_hybrid(trace, w, s, reuse_rule(rng.choice([1, 2])))
+    cap = rng.randint(1, 40)
+    shed = shed_to_fit(plan, trace, w, s, cap)
+    for t, ops_t in enumerate(trace):
+        assert plan.on_host[t] <= shed.on_host[t] and shed.on_device[t] <= plan.on_device[t]
+        assert shed.on_host[t] | shed.on_device[t] == frozenset(ops_t)
+        need = sum(w[o] + (0 if o in shed.on_host[t] else s[o]) for o in set(ops_t))
+        assert need <= cap or not shed.on_device[t]
+        if plan.on_device[t] == shed.on_device[t]:
+            continue
+        # what went home was needed: without the last op sent home the step would not fit
+        last = max(plan.on_device[t] - shed.on_device[t])
+        assert need + s[last] > cap

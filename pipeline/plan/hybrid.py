@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["HybridCosts", "HybridPlan", "REUSE_NEXT", "reuse_rule", "plan_hybrid", "op_runs", "limit_host"]
+__all__ = ["HybridCosts", "HybridPlan", "REUSE_NEXT", "reuse_rule", "plan_hybrid", "op_runs", "limit_host",
+           "shed_to_fit"]
 
 
 @dataclass(frozen=True)
@@ -158,5 +159,31 @@ def limit_host(plan: HybridPlan, uses: Sequence[Iterable[str]], weight_bytes: Ma
             host.discard(op)
             dev.add(op)
             load -= weight_bytes[op]
+        on_host[t], on_device[t] = frozenset(host), frozenset(dev)
+    return HybridPlan(tuple(on_host), tuple(on_device), plan.cost)
+
+
+def shed_to_fit(plan: HybridPlan, uses: Sequence[Iterable[str]], weight_bytes: Mapping[str, int],
+                state_bytes: Mapping[str, int], capacity: float) -> HybridPlan:
+    """The plan with every step's ops fitting ``capacity`` device bytes together: where a step's
+    weights and device-kept state are over, its device uses become host uses in op-id order
+    until they fit (what the runtime store does when the ops a step needs do not fit with the
+    state some of them keep, ``VirtualStore._shed_state``). A step still over with every use on
+    the host is left (the residency plan reports it). ``cost`` is not recomputed."""
+    trace = [tuple(dict.fromkeys(ops)) for ops in uses]
+    if len(plan.on_host) != len(trace):
+        raise ValueError(f"shed_to_fit: expected a plan of {len(trace)} steps, found {len(plan.on_host)}")
+    on_host, on_device = list(plan.on_host), list(plan.on_device)
+    for t, ops in enumerate(trace):
+        total = sum(weight_bytes[o] + (0 if o in on_host[t] else state_bytes[o]) for o in ops)
+        if total <= capacity:
+            continue
+        host, dev = set(on_host[t]), set(on_device[t])
+        for op in sorted(dev):
+            if total <= capacity:
+                break
+            dev.discard(op)
+            host.add(op)
+            total -= state_bytes[op]
         on_host[t], on_device[t] = frozenset(host), frozenset(dev)
     return HybridPlan(tuple(on_host), tuple(on_device), plan.cost)
