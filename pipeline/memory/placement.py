@@ -61,31 +61,26 @@ class OpPlacement:
 
     def point(self, buf: torch.Tensor, base: int) -> None:
         """Make the module's tensors and its optimizer state views of ``buf`` from ``base``
-        (the optimizer state of an op updated on the host stays in its host home).
-
-        Parameters and buffers are re-pointed in place (``set_``: each keeps its own version
-        counter, and no tensor is made, which is most of a fetch's host time on a CPU); the
-        optimizer state gets fresh views (torch may share those tensors elsewhere)."""
+        (the optimizer state of an op updated on the host stays in its host home)."""
         settled = True
         on_host = buf is self.host
-        storage, start = buf.untyped_storage(), buf.storage_offset() + base
-        optim_home = self.host_views() if on_host or self.optim_on_host else None
-        with torch.no_grad():
-            for i, slot in enumerate(self.layout.slots):
-                kind = slot.kind
-                if kind == "param":
-                    self.params[slot.index].set_(storage, (start + slot.offset) // slot.dtype.itemsize,
-                                                 slot.shape, slot.stride)
-                elif kind == "buffer":
-                    owner, leaf = self.buffer_owner[slot.name]
-                    owner._buffers[leaf].set_(storage, (start + slot.offset) // slot.dtype.itemsize,
-                                              slot.shape, slot.stride)
+        host = self.host_views() if on_host or self.optim_on_host else None
+        for i, slot in enumerate(self.layout.slots):
+            if on_host or (slot.kind == "optim" and self.optim_on_host):
+                view = host[i]
+            else:
+                view = slot.view(buf, base)
+            if slot.kind == "param":
+                self.params[slot.index].data = view
+            elif slot.kind == "buffer":
+                owner, leaf = self.buffer_owner[slot.name]
+                owner._buffers[leaf] = view
+            else:
+                st = self.opt.state.get(self.params[slot.index])
+                if st is not None and st.get(slot.name) is not None:
+                    st[slot.name] = view
                 else:
-                    st = self.opt.state.get(self.params[slot.index])
-                    if st is not None and st.get(slot.name) is not None:
-                        st[slot.name] = optim_home[i] if optim_home is not None else slot.view(buf, base)
-                    else:
-                        settled = False
+                    settled = False
         self.settled = settled
 
     def settle(self, buf: torch.Tensor, base: int) -> None:
