@@ -6,7 +6,9 @@ parameters, 51.7 GB of fp32 weights + grads + AdamW moments) with analytic costs
 source of ``bench/naspipe_planner.py`` (its ``SOURCES["analytic"]`` shapes and link), at a stated
 device rate: fp32 state with TF32 tensor-core math at an effective ``--flops`` (default 2e14
 FLOP/s: about 40 % of an H100 SXM's 495 TFLOP/s dense TF32) and ``--hbm`` (2e12 B/s). 1000
-subnets from a fixed seed, one per step, 1F1B, flushed per step.
+subnets from the app's sampler (``--samplers``: ``uniform`` by default, ``fair``; ``--orders``:
+``stream`` as drawn, or ``locality``, ``search.order``) with a fixed seed, one per step, 1F1B,
+flushed per step.
 
 Per setting (P, over-subscription, optimizer placement, host link, tokens per step):
 
@@ -16,7 +18,11 @@ Per setting (P, over-subscription, optimizer placement, host link, tokens per st
   parameter). Each stage gives it to the active ops' grads, to activations (all kept if that
   leaves room for two steps' op state, an op both steps use counted once, else the least the
   activation plan needs) and the rest to op state resident under the residency plan
-  (``pipeline.plan.residency``).
+  (``pipeline.plan.residency``). "Two steps' op state" is the largest pair over the subnets, or
+  with ``--arena-quantiles`` a quantile of the pairs (the fastest under Belady is kept).
+* **Ceiling** (``--ceiling``): the same steps with op copies free and only the step's weights,
+  gradients and activations on the device (:func:`memory_ceiling`): what no placement or policy
+  can beat under this split.
 * **Optimizer placement** (``pipeline.plan.simulate``'s doc states the physics): ``device``: an
   op travels with its AdamW moments, 12 B/param up per fetch and 12 B/param written back when a
   changed op is evicted; ``host``: 4 B/param of weights up per use, 4 B/param of grads down after
@@ -37,7 +43,7 @@ Per setting (P, over-subscription, optimizer placement, host link, tokens per st
 One JSON line per setting. A ``measure`` mode (real copies on a CUDA device, against the same
 figures) belongs beside ``simulate`` in :func:`main`; it is not written yet.
 
-    python bench/vtm.py [--subnets 1000] [--seed 0]   # ~10 min on one core
+    python bench/vtm.py [--subnets 1000] [--seed 0] [--ceiling]   # ~14 min on one core
 """
 from __future__ import annotations
 
