@@ -130,6 +130,18 @@ def plan_hybrid(uses: Sequence[Iterable[str]], weight_bytes: Mapping[str, int], 
     return HybridPlan(tuple(frozenset(x) for x in on_host), tuple(frozenset(x) for x in on_device), total)
 
 
+def _move_until(source: set[str], target: set[str], order: Iterable[str], load: float, capacity: float,
+                bytes_of: Mapping[str, int]) -> None:
+    """Move ops from ``source`` to ``target`` in ``order`` while ``load`` is over ``capacity``;
+    each move takes ``bytes_of[op]`` off it."""
+    for op in order:
+        if load <= capacity:
+            return
+        source.discard(op)
+        target.add(op)
+        load -= bytes_of[op]
+
+
 def limit_host(plan: HybridPlan, uses: Sequence[Iterable[str]], weight_bytes: Mapping[str, int],
                capacity: Sequence[float]) -> HybridPlan:
     """The plan with at most ``capacity[t]`` bytes of weights updated on the host at step ``t``
@@ -153,12 +165,8 @@ def limit_host(plan: HybridPlan, uses: Sequence[Iterable[str]], weight_bytes: Ma
         if load <= capacity[t]:
             continue
         host, dev = set(on_host[t]), set(on_device[t])
-        for op in sorted(host, key=lambda o: (later[o][-1] if later[o] else never, o)):
-            if load <= capacity[t]:
-                break
-            host.discard(op)
-            dev.add(op)
-            load -= weight_bytes[op]
+        _move_until(host, dev, sorted(host, key=lambda o: (later[o][-1] if later[o] else never, o)), load,
+                    capacity[t], weight_bytes)
         on_host[t], on_device[t] = frozenset(host), frozenset(dev)
     return HybridPlan(tuple(on_host), tuple(on_device), plan.cost)
 
@@ -179,11 +187,6 @@ def shed_to_fit(plan: HybridPlan, uses: Sequence[Iterable[str]], weight_bytes: M
         if total <= capacity:
             continue
         host, dev = set(on_host[t]), set(on_device[t])
-        for op in sorted(dev):
-            if total <= capacity:
-                break
-            dev.discard(op)
-            host.add(op)
-            total -= state_bytes[op]
+        _move_until(dev, host, sorted(dev), total, capacity, state_bytes)
         on_host[t], on_device[t] = frozenset(host), frozenset(dev)
     return HybridPlan(tuple(on_host), tuple(on_device), plan.cost)
