@@ -62,7 +62,7 @@ from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
-from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, HybridPlan, limit_host, plan_hybrid, reuse_rule, shed_to_fit  # noqa: E402,E501
+from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, limit_host, plan_hybrid, reuse_rule, shed_to_fit  # noqa: E402
 from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
@@ -144,12 +144,17 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
         # the host updates at most what it can while a step runs (all-resident step time)
         step_s = [makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n)]
         cap = [[step_s[t] * 4 * host_update for t in range(n)] for s in range(P)]
-        on_host = [limit_host(plan_hybrid(ids[s], weights, optim, hybrid), ids[s], weights, cap[s]).on_host
-                   for s in range(P)]
+        hybrid_plans = [limit_host(plan_hybrid(ids[s], weights, optim, hybrid), ids[s], weights, cap[s])
+                        for s in range(P)]
+        on_host = [p.on_host for p in hybrid_plans]
     else:
         on_host = [tuple(frozenset(u) if placement == "host" else frozenset() for u in ids[s]) for s in range(P)]
-    use_size = [[{o: weights[o] if o in on_host[s][t] else size[o] for o in ids[s][t]} for t in range(n)]
-                for s in range(P)]
+
+    def use_sizes(s: int) -> list[dict]:
+        """Per step of stage ``s``, the device bytes of each op's copy (its weights when updated on the host)."""
+        return [{o: weights[o] if o in on_host[s][t] else size[o] for o in ids[s][t]} for t in range(n)]
+
+    use_size = [use_sizes(s) for s in range(P)]
     out: dict = {"budget_per_stage_GB": budget / 1e9, "bounds": list(bounds), "arena_quantile": arena_quantile}
 
     # memory split per stage: grads of the active ops, activations, then op state
@@ -166,9 +171,8 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
         acts = max(min(max(keep), budget - grads - two_steps), floor)
         resident = int(budget - grads - acts)
         if placement == "hybrid" and arena_quantile < 1:
-            plan = HybridPlan(on_host[s], tuple(frozenset(u) - h for u, h in zip(ids[s], on_host[s])), 0.0)
-            on_host[s] = shed_to_fit(plan, ids[s], weights, optim, resident).on_host
-            use_size[s] = [{o: weights[o] if o in on_host[s][t] else size[o] for o in ids[s][t]} for t in range(n)]
+            on_host[s] = shed_to_fit(hybrid_plans[s], ids[s], weights, optim, resident).on_host
+            use_size[s] = use_sizes(s)
         state = [sum(u.values()) for u in use_size[s]]
         stages.append(dict(grads=grads, acts=acts, resident=resident, keep=keep, inputs=inputs, state=state,
                            floor=floor, two_steps=two_steps))
@@ -218,7 +222,7 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     base = sum(makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n))
     out["all_resident"] = {"subnets_per_hour": 3600 * n / base, "step_ms": 1e3 * base / n}
     if ceiling:
-        out["ceiling"] = memory_ceiling(schedule, P, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw)
+        out["ceiling"] = memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw)
     for policy in policies:
         try:
             plans = [plan_residency(ids[s], size, stages[s]["resident"], policy, prefetch_depth=1,
@@ -236,31 +240,31 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     return out
 
 
-def best_arena(quantiles, *args, **kwargs) -> dict:
+def best_arena(quantiles, space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
+               host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT, ceiling: bool = False) -> dict:
     """:func:`run_setting` with the arena quantile whose Belady replay is fastest (one quantile: that
     one), the others' throughput over all-resident beside it (``arena_quantile_tried``)."""
+    setting = (space, P, M, oversub, placement, link_bw, host_update)
     if len(quantiles) == 1:
-        return run_setting(*args, **kwargs, arena_quantile=quantiles[0])
-    one = {k: v for k, v in kwargs.items() if k != "ceiling"}
+        return run_setting(*setting, policies, hybrid, ceiling, arena_quantile=quantiles[0])
     tried = {}
     for q in quantiles:
-        r = run_setting(*args[:7], ("belady",), *args[8:], **one, arena_quantile=q)
-        b = r.get("belady", {})
-        tried[q] = b["over_all_resident"] if "over_all_resident" in b else None  # None: infeasible
+        b = run_setting(*setting, ("belady",), hybrid, arena_quantile=q).get("belady", {})
+        tried[q] = b.get("over_all_resident")  # None: infeasible
     best = max((q for q in quantiles if tried[q] is not None), key=lambda q: (tried[q], q), default=quantiles[0])
-    out = run_setting(*args, **kwargs, arena_quantile=best)
+    out = run_setting(*setting, policies, hybrid, ceiling, arena_quantile=best)
     out["arena_quantile_tried"] = {str(q): None if v is None else round(v, 4) for q, v in tried.items()}
     return out
 
 
-def memory_ceiling(schedule, P, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw) -> dict:
+def memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw) -> dict:
     """What no optimizer placement or eviction policy can beat under this split and budget: op
     copies free and instant, and the stage holding, besides the step's gradients and activations,
     only the weights of the ops it computes (4 B/param: nothing fetched ahead, every optimizer
     state away). The activations get the rest of the budget, step by step, with the whole host
     link to themselves (swaps hide behind all of the stage's compute); the activation plan's
     recompute and exposed swap time is what is left of the all-resident throughput."""
-    n = fwd.shape[1]
+    P, n = fwd.shape
     added = np.zeros((P, n))
     for s, st in enumerate(stages):
         for t in range(n):
@@ -269,8 +273,7 @@ def memory_ceiling(schedule, P, M, budget, ids, ops, stages, cut, fwd, bwd, send
             if st["keep"][t] <= acts:
                 continue
             try:
-                plan = plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], in_flight(SCHEDULE, P, M)[s],
-                                        M, acts, link_bw, M * (fwd[s, t] + bwd[s, t]), cut[s][t], resolution=1 << 20)
+                plan = plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], F[s], M, acts, link_bw, M * (fwd[s, t] + bwd[s, t]), cut[s][t], resolution=1 << 20)
             except ActivationError as e:
                 return {"infeasible": str(e), "short_by_bytes": e.short_by}
             added[s, t] = plan.added_s
