@@ -151,6 +151,21 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     }
 
 
+_ONE_PROCESS: dict[str, dict] = {}
+
+
+def one_process(sc: Scenario) -> dict:
+    """``sc`` run in this process, one intra-op thread, results as plain data (no engine); run
+    once per scenario and shared by every test that asks (the tests only read it)."""
+    key = repr(sc)
+    if key not in _ONE_PROCESS:
+        torch.set_num_threads(1)
+        res = run_scenario(sc)
+        res.pop("engine")
+        _ONE_PROCESS[key] = res
+    return _ONE_PROCESS[key]
+
+
 def assert_same_as_reference(got: dict, ref: dict, label: str) -> None:
     """A run computed what the single-process reference computed: every step's and micro-batch's
     loss, every evaluation and the final weights, bit for bit."""

@@ -8,12 +8,9 @@ semantics). The delayed runs cross checkpoint boundaries, where reads of old ver
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from distributed import Scenario, assert_same_as_reference, run_scenario, spawn
+from distributed import Scenario, assert_same_as_reference, one_process, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -32,12 +29,8 @@ SCENARIOS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
 def reference(i: int) -> dict:
-    torch.set_num_threads(1)
-    res = run_scenario(SCENARIOS[i])
-    res.pop("engine")
-    return res
+    return one_process(SCENARIOS[i])
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -59,14 +52,9 @@ def test_cross_subnet_pipeline_is_bit_identical_to_reference(stages: int) -> Non
 def test_shared_op_modes_change_what_is_trained() -> None:
     """The three modes are three computations (so the equalities above are not vacuous), and
     exact with several in flight is sequential training: the flushed run's digest."""
-    torch.set_num_threads(1)
-    base = Scenario("conv", "1f1b", steps=5)
-    digests = {}
-    for name, extra in {"flushed": {}, "exact": {"window": 3}, "delayed": {"window": 3, "shared_ops": "delayed"},
-                        "frozen": {"window": 3, "shared_ops": "frozen"}}.items():
-        res = run_scenario(Scenario("conv", "1f1b", steps=5, segment=5 if extra else 0, extra=extra))
-        res.pop("engine")
-        digests[name] = res["digest"]
+    digests = {name: one_process(Scenario("conv", "1f1b", steps=5, segment=5 if extra else 0, extra=extra))["digest"]
+               for name, extra in {"flushed": {}, "exact": {"window": 3},
+                                   "delayed": {"window": 3, "shared_ops": "delayed"},
+                                   "frozen": {"window": 3, "shared_ops": "frozen"}}.items()}
     assert digests["exact"] == digests["flushed"]
     assert len({digests["flushed"], digests["delayed"], digests["frozen"]}) == 3
-    assert base.steps == 5

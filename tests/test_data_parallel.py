@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from distributed import Scenario, assert_same_as_reference, run_scenario, spawn
+from distributed import Scenario, assert_same_as_reference, one_process, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -33,19 +32,10 @@ def scenarios(stages: int, cross: bool = False, fast: bool = False) -> list[Scen
     return out
 
 
-_REFERENCE: dict[str, dict] = {}
-
-
 def reference(sc: Scenario) -> dict:
     """The single-process run of ``sc`` (without ``stages``), once per scenario."""
     extra = {k: v for k, v in sc.extra.items() if k not in ("stages", "reduce")}
-    sc = dataclasses.replace(sc, extra=extra)
-    if repr(sc) not in _REFERENCE:
-        torch.set_num_threads(1)
-        res = run_scenario(sc)
-        res.pop("engine")
-        _REFERENCE[repr(sc)] = res
-    return _REFERENCE[repr(sc)]
+    return one_process(dataclasses.replace(sc, extra=extra))
 
 
 @pytest.mark.parametrize("stages,replicas", [(1, 2), (2, 2), (3, 1)])

@@ -4,12 +4,9 @@ migrating between stages, from host memory too) computes the same bits as the al
 single-process reference, and no stage's device tier ever holds more than its budget."""
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from distributed import Scenario, run_scenario, spawn
+from distributed import Scenario, one_process, run_scenario, spawn
 from pipeline.memory import TensorManager
 from test_memory import tight_budget
 
@@ -32,12 +29,8 @@ PLAIN = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
 def reference(i: int) -> dict:
-    torch.set_num_threads(1)
-    res = run_scenario(PLAIN[i])  # all resident
-    res.pop("engine")
-    return res
+    return one_process(PLAIN[i])  # all resident
 
 
 @pytest.mark.parametrize("optimizer", ["host", "hybrid"])
@@ -67,12 +60,8 @@ SWAPPED = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
 def kept(i: int) -> dict:
-    torch.set_num_threads(1)
-    res = run_scenario(Scenario(**{**SWAPPED[i].__dict__, "memory": {}}))
-    res.pop("engine")
-    return res
+    return one_process(Scenario(**{**SWAPPED[i].__dict__, "memory": {}}))
 
 
 def test_swapped_and_recomputed_activations_compute_the_same_bits_in_one_process() -> None:

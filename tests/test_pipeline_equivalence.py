@@ -8,12 +8,10 @@ migrate between stages (the minmax objective with eps = 0 follows every change o
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
-import torch
 
-from distributed import Scenario, assert_same_as_reference, run_scenario, spawn
+from distributed import Scenario, assert_same_as_reference, one_process, run_scenario, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -28,12 +26,8 @@ SCENARIOS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
 def reference(i: int) -> dict:
-    torch.set_num_threads(1)
-    res = run_scenario(SCENARIOS[i])
-    res.pop("engine")
-    return res
+    return one_process(SCENARIOS[i])
 
 
 def expected_peaks(schedule: str, stages: int, microbatches: int) -> list[int]:
