@@ -95,26 +95,29 @@ def resume_checkpoint(path: str | os.PathLike,
         if not prev.exists():
             raise CheckpointError(f"{e}; there is no previous checkpoint {prev} to fall back to; to start afresh "
                                   f"move {path} away, or {START_AFRESH}") from None
-        try:
-            fallback = load_checkpoint(prev)
-        except CheckpointError as e_prev:
-            raise CheckpointError(f"neither checkpoint can be read: {e}; {e_prev}; to start afresh move both away, "
-                                  f"or {START_AFRESH}") from None
-        warn(f"cannot read the latest checkpoint {path} ({e}); resuming from the previous one, {prev} "
-             f"(step {fallback.step})")
-        return fallback, prev
+        latest = str(e)
+        return _fall_back(prev, warn, f"cannot read the latest checkpoint {path} ({latest})",
+                          lambda e_prev: f"neither checkpoint can be read: {latest}; {e_prev}; to start afresh move "
+                                         f"both away, or {START_AFRESH}")
     if ckpt is not None:
         return ckpt, path
     if prev.exists():
-        try:
-            fallback = load_checkpoint(prev)
-        except CheckpointError as e_prev:
-            raise CheckpointError(f"{e_prev}, and there is no latest checkpoint {path}; to start afresh move {prev} "
-                                  f"away, or {START_AFRESH}") from None
-        warn(f"no latest checkpoint {path} (a crash while replacing it); resuming from the previous one, {prev} "
-             f"(step {fallback.step})")
-        return fallback, prev
+        return _fall_back(prev, warn, f"no latest checkpoint {path} (a crash while replacing it)",
+                          lambda e_prev: f"{e_prev}, and there is no latest checkpoint {path}; to start afresh move "
+                                         f"{prev} away, or {START_AFRESH}")
     return None, None
+
+
+def _fall_back(prev: Path, warn: Callable[[str], None], why: str,
+               unreadable: Callable[[CheckpointError], str]) -> tuple[Checkpoint, Path]:
+    """Resume from the previous checkpoint ``prev`` (the latest one cannot be used: ``why``),
+    or stop with ``unreadable(error)`` when it cannot be read either."""
+    try:
+        fallback = load_checkpoint(prev)
+    except CheckpointError as e_prev:
+        raise CheckpointError(unreadable(e_prev)) from None
+    warn(f"{why}; resuming from the previous one, {prev} (step {fallback.step})")
+    return fallback, prev
 
 
 def remove_temporaries(path: str | os.PathLike) -> list[Path]:
