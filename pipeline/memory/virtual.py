@@ -5,7 +5,10 @@
 step's protocol (``prefetch`` / ``ensure`` / ``use`` / the optimizer step / ``release_step``,
 see :mod:`pipeline.memory`), runs the host side of the update when the optimizer state lives
 there, and reports its counters and audit. Every public call holds one lock (the runtime may
-call from more than one thread) and counts its host time in ``busy_s``.
+call from more than one thread) and counts its host time in ``busy_s``, except :meth:`use` of an
+op already in use this step: nothing can move such an op until the stepping thread itself
+releases the step, so it returns at once (a fetch ahead that finished meanwhile is pumped by the
+next call that takes the lock).
 """
 from __future__ import annotations
 
