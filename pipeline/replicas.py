@@ -194,15 +194,16 @@ class ReplicaReducer:
         """The sum of every replica's accumulated gradients (``None`` where no replica has one):
         one all-reduce per dtype, in the backend's own order."""
         present = torch.tensor([p.grad is not None for p in params], dtype=torch.int64, device=self.transport.device)
-        dist.all_reduce(present, group=self.group)
         flats: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             flats.setdefault(p.dtype, []).append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
         summed = {}
-        for dt, parts in flats.items():
-            flat = torch.cat(parts)
-            dist.all_reduce(flat, group=self.group)
-            summed[dt] = iter(flat.split([t.numel() for t in parts]))
+        with self.transport.peer_errors("reducing gradients with", self._a_peer()):  # a lost replica: the peer's failure
+            dist.all_reduce(present, group=self.group)
+            for dt, parts in flats.items():
+                flat = torch.cat(parts)
+                dist.all_reduce(flat, group=self.group)
+                summed[dt] = iter(flat.split([t.numel() for t in parts]))
         return self._unflatten(params, present.tolist(), summed)
 
     @staticmethod
@@ -217,15 +218,16 @@ class ReplicaReducer:
         """Every replica's micro-batch losses, in global micro-batch order (on every rank)."""
         mine = torch.tensor(list(losses), dtype=torch.float64)
         out = [torch.empty_like(mine) for _ in range(self.mesh.replicas)]
-        peer = next(r for r in self.mesh.replica_ranks() if r != self.mesh.rank)
-        try:  # a lost replica is a peer's failure (its note names the root cause), never a hang
-            work = dist.all_gather(out, mine, group=self.group, async_op=True)
-            ok = work.wait(self.transport.timeout)
-        except Exception as e:
-            raise PeerError(peer, "gathering losses with", str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from e
+        peer = self._a_peer()
+        with self.transport.peer_errors("gathering losses with", peer):
+            ok = dist.all_gather(out, mine, group=self.group, async_op=True).wait(self.transport.timeout)
         if ok is False:
             raise PeerError(peer, "gathering losses with", f"no answer within {self.transport.timeout.total_seconds():g} s")
         return tuple(v for t in out for v in t.tolist())
+
+    def _a_peer(self) -> int:
+        """Another replica of this stage (a collective's failure names one)."""
+        return next(r for r in self.mesh.replica_ranks() if r != self.mesh.rank)
 
     def drop(self) -> None:
         """Forget what was recorded (a step whose gradients are dropped)."""

@@ -27,7 +27,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -99,13 +100,13 @@ class Transport:
                  recv: tuple[int, Sequence[TensorSpec | None]] | None) -> PostedRecv | None:
         """Post payload sends and (optionally) one payload receive together: one batch on NCCL,
         one after another on gloo. Returns the receive's handle."""
-        ops: list[tuple] = []  # (isend or irecv, tensor, peer)
+        ops: list[tuple[str, torch.Tensor, int]] = []  # ("isend" or "irecv", tensor, peer)
         buffers: list[tuple[torch.Tensor, int]] = []
         for tensors, dst in sends:
             for t in tensors:
                 if t is not None:
                     t = t.detach().contiguous()
-                    ops.append((dist.isend, t, dst))
+                    ops.append(("isend", t, dst))
                     buffers.append((t, dst))
         out: list[torch.Tensor | None] = []
         n_sends = len(ops)
@@ -115,12 +116,14 @@ class Transport:
                 buf = None if sp is None else torch.empty(sp.shape, dtype=sp.dtype, device=self.device)
                 out.append(buf)
                 if buf is not None:
-                    ops.append((dist.irecv, buf, src))
+                    ops.append(("irecv", buf, src))
         g = self.global_rank
         if self.batched and ops:
-            works = dist.batch_isend_irecv([dist.P2POp(fn, t, g(peer), group=self.group) for fn, t, peer in ops])
+            with self.peer_errors("exchanging with", g(ops[0][2])):
+                works = dist.batch_isend_irecv([dist.P2POp(getattr(dist, fn), t, g(peer), group=self.group)
+                                                for fn, t, peer in ops])
         else:
-            works = [fn(t, g(peer), group=self.group) for fn, t, peer in ops]
+            works = [self._post(fn, t, peer) for fn, t, peer in ops]
         for work, (buf, dst) in zip(works[:n_sends], buffers):
             self._pending.append((work, dst, buf))
         while len(self._pending) > self.max_pending:  # bounded: wait for the oldest
@@ -160,7 +163,7 @@ class Transport:
             msgs.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         msgs = [m.to(self.device) for m in msgs] + bufs
         for m in msgs:
-            self._pending.append((dist.isend(m, self.global_rank(dst), group=self.group), dst, m))
+            self._pending.append((self._post("isend", m, dst), dst, m))
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def send_state(self, op_id: str, state: Mapping[str, torch.Tensor], dst: int) -> int:
@@ -207,7 +210,7 @@ class Transport:
         posted: list[tuple[dist.Work, torch.Tensor]] = []
 
         def post(buf: torch.Tensor) -> torch.Tensor:
-            posted.append((dist.irecv(buf, self.global_rank(src), group=self.group), buf))
+            posted.append((self._post("irecv", buf, src), buf))
             return buf
 
         meta_buf = post(torch.empty(meta_len, dtype=torch.uint8, device=self.device)) if meta_len else None
@@ -233,8 +236,25 @@ class Transport:
         return out, meta
 
     def _recv_now(self, buf: torch.Tensor, src: int) -> torch.Tensor:
-        self._wait(dist.irecv(buf, self.global_rank(src), group=self.group), "receiving from", src)
+        self._wait(self._post("irecv", buf, src), "receiving from", src)
         return buf
+
+    def _post(self, fn: str, tensor: torch.Tensor, peer: int) -> dist.Work:
+        """Post one ``dist.isend`` or ``dist.irecv``. Gloo raises at posting, not only at the
+        wait, once the peer's connection has closed: that is the peer's failure, not this rank's."""
+        rank = self.global_rank(peer)
+        with self.peer_errors("sending to" if fn == "isend" else "receiving from", rank):
+            return getattr(dist, fn)(tensor, rank, group=self.group)
+
+    @contextmanager
+    def peer_errors(self, what: str, rank: int) -> Iterator[None]:
+        """Raise a ``RuntimeError`` from the block (gloo's "Connection closed by peer", a
+        collective's timeout) as the :class:`PeerError` ``{what} rank {rank} failed`` (``rank``:
+        the peer's global rank)."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise PeerError(rank, what, _short(e)) from e
 
     def _wait(self, work: dist.Work, what: str, peer: int) -> None:
         try:

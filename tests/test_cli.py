@@ -274,11 +274,11 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
     for attempt in (1, 2, 3):
         assert f"restart {attempt} of this torchrun job" in err, err[-4000:]
     # every survivor reported an error and exited (no hang: torchrun restarted the job); killed
-    # mid-step, the peer's report names rank, step and action (one killed between steps can
-    # still surface as a bare gloo error: the stage posts its first receive outside its report)
+    # mid-step, the peer's report names rank, step and action, and the lost peer whether gloo
+    # noticed it in a wait or already when a send or receive was posted
     assert len(re.findall(r"^error: ", err, re.M)) >= 3, err[-4000:]
-    assert re.search(r"^error: rank 0 \(stage 0\) failed at step 5 during \S+: PeerError: receiving from rank 1 "
-                     r"failed", err, re.M), err[-4000:]
+    assert re.search(r"^error: rank 0 \(stage 0\) failed at step 5 during \S+: PeerError: (receiving from|sending to) "
+                     r"rank 1 failed", err, re.M), err[-4000:]
     assert "no latest checkpoint" in err and "resuming from the previous one" in err  # the write cut short
     (line,) = [ln for ln in err.splitlines() if ln.startswith("interrupted:")]
     m = re.fullmatch(r"interrupted: SIGINT: stopped after step (\d+) of 40; checkpoint (\S+)/checkpoint.pt "
