@@ -15,8 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .lookahead import Plan
+from .transport import PeerError, peer_errors
 
 __all__ = ["Agreement", "AgreementError"]
+
+
+_WHAT = "the agreement check with the other ranks"  # a lost rank: "... failed: <the backend's words>"
 
 
 class AgreementError(RuntimeError):
@@ -34,15 +38,18 @@ class Agreement:
         """Start checking a plan made ahead."""
         if self.enabled:
             t = self._tensor(plan)
-            self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, plan)
+            with peer_errors(_WHAT):
+                self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, plan)
 
     def read(self) -> Plan | None:
         """Finish the check posted a step ago (raises if the ranks disagreed); the plan it checked."""
         if self._posted is None:
             return None
         (work, t, plan), self._posted = self._posted, None
-        if work.wait(self.timeout) is False:
-            raise AgreementError(f"the agreement check got no answer within {self.timeout.total_seconds():g} s")
+        with peer_errors(_WHAT):
+            ok = work.wait(self.timeout)
+        if ok is False:
+            raise PeerError(None, _WHAT, f"no answer within {self.timeout.total_seconds():g} s")
         _compare(t, plan)
         return plan
 
@@ -51,7 +58,8 @@ class Agreement:
         if not self.enabled or (checked is not None and checked.digest == plan.digest):
             return
         t = self._tensor(plan)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with peer_errors(_WHAT):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         _compare(t, plan)
 
     def _tensor(self, plan: Plan) -> torch.Tensor:

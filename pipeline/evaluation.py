@@ -18,7 +18,7 @@ from supernet import Slice, SliceRun, classification_loss, op_contexts
 from .engine import EvalResult, recalibrated_bn
 from .failures import FailureReporter
 from .plan.schedule import forward_only
-from .transport import Transport
+from .transport import Transport, peer_errors
 
 __all__ = ["evaluate_stage"]
 
@@ -55,6 +55,8 @@ def evaluate_stage(mine: Slice, rank: int, num_stages: int, seed: int, module: C
         stream(calib, True, None)
         stream(batches, False, score)
     with failures.failing(-1, "result"):
-        dist.broadcast(totals, src=transport.global_rank(last), group=transport.group)  # within this replica
+        src = transport.global_rank(last)
+        with peer_errors("broadcasting the evaluation's result with", None if rank == last else src):
+            dist.broadcast(totals, src=src, group=transport.group)  # within this replica
     loss_sum, correct, total = totals.cpu().tolist()
     return EvalResult(loss_sum / max(total, 1), int(correct), int(total))

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .transport import PeerError, Transport
+from .transport import PeerError, Transport, peer_errors
 
 __all__ = ["Mesh", "MeshError", "ReplicaReducer", "new_group_per"]
 
@@ -198,7 +198,7 @@ class ReplicaReducer:
         for p in params:
             flats.setdefault(p.dtype, []).append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
         summed = {}
-        with self.transport.peer_errors("reducing gradients with", self._a_peer()):  # a lost replica: the peer's failure
+        with peer_errors("reducing gradients with", self._a_peer()):  # a lost replica: the peer's failure
             dist.all_reduce(present, group=self.group)
             for dt, parts in flats.items():
                 flat = torch.cat(parts)
@@ -219,7 +219,7 @@ class ReplicaReducer:
         mine = torch.tensor(list(losses), dtype=torch.float64)
         out = [torch.empty_like(mine) for _ in range(self.mesh.replicas)]
         peer = self._a_peer()
-        with self.transport.peer_errors("gathering losses with", peer):
+        with peer_errors("gathering losses with", peer):
             ok = dist.all_gather(out, mine, group=self.group, async_op=True).wait(self.transport.timeout)
         if ok is False:
             raise PeerError(peer, "gathering losses with", f"no answer within {self.transport.timeout.total_seconds():g} s")

@@ -55,7 +55,7 @@ from .plan.admission import cross_subnet
 from .shared import SharedOps, shared_ops_of
 from .stage import StageExecutor
 from .trace import Span, Tracer
-from .transport import Transport
+from .transport import Transport, peer_errors
 
 __all__ = ["PipelineEngine", "StageFailure", "Plan", "AgreementError"]
 
@@ -211,7 +211,8 @@ class PipelineEngine:
             return MemoryModel(self.tensors.memory)
         with self.failures.failing(-1, "plan"):
             arenas: list = [None] * self.num_stages  # this replica's stages (every replica alike)
-            dist.all_gather_object(arenas, self.tensors.stats().budget_bytes, group=self.transport.group)
+            with peer_errors("gathering the stages' arena sizes"):
+                dist.all_gather_object(arenas, self.tensors.stats().budget_bytes, group=self.transport.group)
         footprint = self.tensors.footprints(slot.op_id for slot in self.graph.slots())
         return MemoryModel(self.tensors.memory, tuple(int(b) for b in arenas), footprint)
 
@@ -411,7 +412,8 @@ class PipelineEngine:
             return
         digest = hashlib.sha256(format_grid(schedule).encode()).hexdigest()[:16]
         digests: list = [None] * self.world_size
-        dist.all_gather_object(digests, digest)
+        with peer_errors("comparing schedules with the other ranks"):
+            dist.all_gather_object(digests, digest)
         if len(set(digests)) > 1:
             raise AgreementError(f"step {step}: the ranks built different cross-subnet schedules (digests by rank: "
                                  f"{digests}); every rank must see the same subnets, costs and settings")
@@ -462,7 +464,8 @@ class PipelineEngine:
         """Every rank's recorded spans on rank 0 (collective); None on the others."""
         with self.failures.failing(-1, "trace"):
             gathered: list = [None] * self.world_size
-            dist.all_gather_object(gathered, self.tracer.spans)
+            with peer_errors("gathering the ranks' traces"):
+                dist.all_gather_object(gathered, self.tracer.spans)
         return [sp for spans in gathered for sp in spans] if self.rank == 0 else None
 
     def close(self) -> None:

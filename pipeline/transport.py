@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .wire import TensorSpec
 
-__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError"]
+__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError", "peer_errors"]
 
 _HEADER = 64
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -48,11 +48,26 @@ class TransportError(RuntimeError):
 
 
 class PeerError(TransportError):
-    """A peer did not answer in time or went away."""
+    """A peer did not answer in time or went away (``peer``: its global rank; ``None``: one of
+    the ranks of a collective, which cannot say which)."""
 
-    def __init__(self, peer: int, what: str, cause: BaseException | str) -> None:
-        super().__init__(f"{what} rank {peer} failed: {cause}")
+    def __init__(self, peer: int | None, what: str, cause: BaseException | str) -> None:
+        super().__init__(f"{what} rank {peer} failed: {cause}" if peer is not None else f"{what} failed: {cause}")
         self.peer = peer
+
+
+@contextmanager
+def peer_errors(what: str, peer: int | None = None) -> Iterator[None]:
+    """Raise a ``RuntimeError`` from the block as the :class:`PeerError` ``{what} rank {peer}
+    failed`` (``peer``: a global rank, or ``None`` for a collective). Gloo raises one when a
+    peer's connection has closed, at posting as well as at the wait, and on a timeout; it is the
+    peer's failure, not this rank's (no failure note, the root cause looked up)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, TransportError):
+            raise
+        raise PeerError(peer, what, _short(e)) from e
 
 
 class PostedRecv:
@@ -119,7 +134,7 @@ class Transport:
                     ops.append(("irecv", buf, src))
         g = self.global_rank
         if self.batched and ops:
-            with self.peer_errors("exchanging with", g(ops[0][2])):
+            with peer_errors("exchanging with", g(ops[0][2])):
                 works = dist.batch_isend_irecv([dist.P2POp(getattr(dist, fn), t, g(peer), group=self.group)
                                                 for fn, t, peer in ops])
         else:
@@ -243,18 +258,8 @@ class Transport:
         """Post one ``dist.isend`` or ``dist.irecv``. Gloo raises at posting, not only at the
         wait, once the peer's connection has closed: that is the peer's failure, not this rank's."""
         rank = self.global_rank(peer)
-        with self.peer_errors("sending to" if fn == "isend" else "receiving from", rank):
+        with peer_errors("sending to" if fn == "isend" else "receiving from", rank):
             return getattr(dist, fn)(tensor, rank, group=self.group)
-
-    @contextmanager
-    def peer_errors(self, what: str, rank: int) -> Iterator[None]:
-        """Raise a ``RuntimeError`` from the block (gloo's "Connection closed by peer", a
-        collective's timeout) as the :class:`PeerError` ``{what} rank {rank} failed`` (``rank``:
-        the peer's global rank)."""
-        try:
-            yield
-        except RuntimeError as e:
-            raise PeerError(rank, what, _short(e)) from e
 
     def _wait(self, work: dist.Work, what: str, peer: int) -> None:
         try:
