@@ -43,6 +43,7 @@ class OpPlacement:
         self.host_pending: Handle | None = None  # the arena -> host write-back in flight
         self.dirty = False
         self.settled = False  # every optimizer state slot is a view of where the op lives
+        self._optim_home = False  # every optimizer state slot is a view of the host home
         self.last_use = -1
 
     def set_host_update(self, on_host: bool) -> None:
@@ -61,11 +62,15 @@ class OpPlacement:
 
     def point(self, buf: torch.Tensor, base: int) -> None:
         """Make the module's tensors and its optimizer state views of ``buf`` from ``base``
-        (the optimizer state of an op updated on the host stays in its host home)."""
+        (the optimizer state of an op updated on the host stays in its host home: once every
+        slot of it is a view of the home, it is left as it is)."""
         settled = True
         on_host = buf is self.host
+        skip_optim = self.optim_on_host and self._optim_home
         host = self.host_views() if on_host or self.optim_on_host else None
         for i, slot in enumerate(self.layout.slots):
+            if slot.kind == "optim" and skip_optim:
+                continue
             if on_host or (slot.kind == "optim" and self.optim_on_host):
                 view = host[i]
             else:
@@ -81,11 +86,14 @@ class OpPlacement:
                     st[slot.name] = view
                 else:
                     settled = False
-        self.settled = settled
+        if not skip_optim:
+            self.settled = settled
+            self._optim_home = settled and (on_host or self.optim_on_host)
 
     def settle(self, buf: torch.Tensor, base: int) -> None:
         """Move optimizer state that torch created lazily (first step) into its slots."""
         settled = True
+        at_home = self.optim_on_host or buf is self.host
         for i, slot in enumerate(self.layout.slots):
             if slot.kind != "optim":
                 continue
@@ -94,11 +102,12 @@ class OpPlacement:
             if t is None:
                 settled = False
                 continue
-            view = self.host_views()[i] if self.optim_on_host or buf is self.host else slot.view(buf, base)
+            view = self.host_views()[i] if at_home else slot.view(buf, base)
             if t.data_ptr() != view.data_ptr():
                 view.copy_(t)
                 st[slot.name] = view
         self.settled = settled
+        self._optim_home = settled and at_home
 
     def fill_home(self, state: Mapping[str, torch.Tensor] | None, state_keys: Sequence[str]) -> None:
         """Write the op's tensors into its host home and point the module there: from the module
@@ -122,6 +131,7 @@ class OpPlacement:
                     t = self.opt.state.get(params[slot.index], {}).get(slot.name)
                     if t is not None:
                         slot.view(host).copy_(t)
+        self._optim_home = False  # new state objects: point them all
         self.point(host, 0)
 
     def home_state(self, copy: bool) -> OpState:

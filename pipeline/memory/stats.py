@@ -100,7 +100,8 @@ class Counters:
 
 def audit(placements: Iterable[OpPlacement], arena: Arena) -> MemoryAudit:
     """Walk every op's module and optimizer state: which tensors are views of the arena (and of
-    their own op's region), which of their host home, and which of neither (stray)."""
+    their own op's region), which of their host home, and which of neither, or of the arena
+    when they should be home (stray: the optimizer state of an op updated on the host)."""
     arena_bytes, stray, resident = 0, [], 0
     base = arena.buffer.data_ptr()
     for rec in placements:
@@ -108,6 +109,8 @@ def audit(placements: Iterable[OpPlacement], arena: Arena) -> MemoryAudit:
         home = rec.host.untyped_storage().data_ptr()
         for name, t in flat_tensors(rec.module, rec.params, rec.opt, scalars=False):
             if arena.holds(t):
+                if rec.optim_on_host and name.startswith("optim/"):
+                    stray.append(f"{rec.op_id}.{name} (in the arena, updated on the host)")
                 off, n = arena.regions.get(rec.op_id, (-1, 0))
                 start = t.data_ptr() - base
                 if not (off <= start and start + t.nbytes <= off + n):
