@@ -56,7 +56,8 @@ def evaluate_stage(mine: Slice, rank: int, num_stages: int, seed: int, module: C
         stream(batches, False, score)
     with failures.failing(-1, "result"):
         src = transport.global_rank(last)
-        with peer_errors("broadcasting the evaluation's result with", None if rank == last else src):
+        with (peer_errors("receiving the evaluation's result from", src) if rank != last
+              else peer_errors("sending the evaluation's result to the other stages")):
             dist.broadcast(totals, src=src, group=transport.group)  # within this replica
     loss_sum, correct, total = totals.cpu().tolist()
     return EvalResult(loss_sum / max(total, 1), int(correct), int(total))

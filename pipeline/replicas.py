@@ -198,12 +198,14 @@ class ReplicaReducer:
         for p in params:
             flats.setdefault(p.dtype, []).append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
         summed = {}
-        with peer_errors("reducing gradients with", self._a_peer()):  # a lost replica: the peer's failure
+        peer = self._a_peer()  # a lost replica is the peer's failure, not this rank's
+        with peer_errors("reducing gradients with", peer):
             dist.all_reduce(present, group=self.group)
-            for dt, parts in flats.items():
-                flat = torch.cat(parts)
+        for dt, parts in flats.items():
+            flat = torch.cat(parts)
+            with peer_errors("reducing gradients with", peer):
                 dist.all_reduce(flat, group=self.group)
-                summed[dt] = iter(flat.split([t.numel() for t in parts]))
+            summed[dt] = iter(flat.split([t.numel() for t in parts]))
         return self._unflatten(params, present.tolist(), summed)
 
     @staticmethod
