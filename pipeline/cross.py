@@ -37,9 +37,10 @@ from .plan.schedule import Action, Schedule, Wait
 from .shared import SharedOps
 from .trace import Tracer
 from .transport import Transport
-from .wire import TensorSpec
 
 __all__ = ["CrossExecutor", "CrossRun", "Segment"]
+
+_CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}  # an action's kind -> its trace category
 
 
 @dataclass(frozen=True)
@@ -108,27 +109,16 @@ class CrossExecutor:
         tr, st = self.transport, self.state_transport
         stats = CrossRun(moved_bytes=[0] * sch.num_subnets)
         for_subnet = {(mv.after, mv.op): mv.before.subnet for mv in rule.moves()}
-        payload = all(p.wires is not None for p in seg.plans) or P == 1
-        eager = not tr.batched
         # what each peer sends this stage, in sending order, per channel
-        queues = {src: deque(w for w in rule.channel(sch.actions, src, me) if w.message != "state")
-                  for src in range(P) if src != me}
-        state_queues = {src: deque(w for w in rule.channel(sch.actions, src, me) if w.message == "state")
-                        for src in range(P) if src != me}
+        queues: dict[int, deque[Wait]] = {}
+        state_queues: dict[int, deque[Wait]] = {}
+        for src in range(P):
+            if src != me:
+                channel = rule.channel(sch.actions, src, me)
+                queues[src] = deque(w for w in channel if w.message != "state")
+                state_queues[src] = deque(w for w in channel if w.message == "state")
         got: dict[Wait, object] = {}
-        posted: dict[int, tuple[Wait, object]] = {}
-
-        def spec(w: Wait) -> Sequence[TensorSpec | None]:
-            t = w.action.subnet
-            if w.message == "losses":
-                return (TensorSpec((M,), torch.float64),)
-            wires = seg.plans[t].wires
-            return wires.forward[me] if w.message == "activation" else wires.backward[me]
-
-        def post(src: int) -> None:
-            if src not in posted and queues[src]:
-                w = queues[src].popleft()
-                posted[src] = (w, tr.post_recv(src, spec(w)))
+        origin = dict(sch.origin or ())  # the stage each op with state starts the segment on
 
         def take(w: Wait, src: int, step: int) -> object:
             if w.message == "state":
@@ -141,15 +131,7 @@ class CrossExecutor:
             w0 = time.perf_counter()
             with self.tracer.span(step, f"recv {w.message}", "recv-wait"):
                 while w not in got:
-                    if payload:
-                        post(src)
-                        pw, handle = posted.pop(src)
-                        got[pw] = handle.wait()
-                        if eager:
-                            post(src)  # the next message arrives while this stage computes
-                    else:
-                        pw = queues[src].popleft()
-                        got[pw] = tr.recv(src)[0]
+                    got[queues[src].popleft()] = tr.recv(src)[0]
             stats.wait_s += time.perf_counter() - w0
             return got.pop(w)
 
@@ -163,8 +145,6 @@ class CrossExecutor:
                     n = st.send_state(w.op, self.tensors.export(w.op), dst)
                     stats.moved_bytes[for_subnet[(a, w.op)]] += n
                     self.shared.drop(w.op)
-                elif payload:
-                    tr.send_payload([losses] if w.message == "losses" else out, dst)
                 else:
                     tr.send([losses] if w.message == "losses" else out, dst)
 
@@ -180,13 +160,13 @@ class CrossExecutor:
             t, m = a.subnet, a.microbatch
             step, plan = seg.steps[t], seg.plans[t]
             shown = Action(a.stage, a.kind, a.microbatch)  # the step names the subnet
-            cat = {"F": "forward", "B": "backward", "U": "optimizer"}[a.kind]
+            cat = _CATEGORY[a.kind]
             with self.failures.failing(step, shown, mark=a), self.tracer.span(step, str(shown), cat):
                 inputs = None
                 for w in rule.waits(a):
                     if w.message is None or (w.action is not None and w.action.stage == me):
                         continue
-                    src = w.action.stage if w.action is not None else dict(sch.origin or ())[w.op]
+                    src = w.action.stage if w.action is not None else origin[w.op]
                     value = take(w, src, step)
                     if w.message in ("activation", "gradient"):
                         inputs = value
