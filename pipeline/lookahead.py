@@ -21,7 +21,7 @@ from supernet import Arch, Slice, SupernetGraph, build_op, cut
 from .memory.sizing import MemoryModel, arena_error, check_fits
 from .plan.admission import SubnetWork, in_flight_bound
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
-from .plan.partition import Partition, PartitionError
+from .plan.partition import Partition, PartitionError, stage_work
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
 from .plan.schedule import Schedule, build as build_schedule
@@ -149,10 +149,7 @@ class LookaheadPlanner:
     def _work(self, problem, part: Partition, slices: Sequence[Slice]) -> SubnetWork:
         """What a cross-subnet schedule needs of this plan: each stage's ops with state and the
         estimated seconds of its forward, backward and sends (pure, from the cost table)."""
-        b, P = part.bounds, self.num_stages
-        fwd = tuple(sum(op.fwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
-        bwd = tuple(sum(op.bwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
-        send = tuple(problem.latency + problem.cut_bytes[b[c + 1]] / problem.bandwidth for c in range(P - 1))
+        fwd, bwd, send = stage_work(problem, part.bounds)
         uses = tuple(frozenset(op.op_id for op in sl.ops) & self.stateful for sl in slices)
         return SubnetWork(uses, fwd, bwd, send)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .partition import PartitionProblem, solve
+from .partition import PartitionProblem, solve, stage_work
 from .schedule import build as build_schedule
 from .simulate import simulate
 
@@ -61,9 +61,8 @@ def mesh_options(mean: PartitionProblem, world: int, microbatches: int, microbat
                                    num_microbatches=microbatches // r, bandwidth=bandwidth, latency=latency)
         b = solve(problem).bounds
         stage_ops = [mean.ops[b[k]:b[k + 1]] for k in range(s)]
-        sends = [latency + mean.cut_bytes[b[k + 1]] / bandwidth for k in range(s - 1)]
-        sim = simulate(build_schedule("1f1b", s, microbatches // r), [sum(o.fwd for o in ops) for ops in stage_ops],
-                       [sum(o.bwd for o in ops) for ops in stage_ops], sends, sends)
+        fwd, bwd, sends = stage_work(problem, b)
+        sim = simulate(build_schedule("1f1b", s, microbatches // r), fwd, bwd, sends, sends)
         ends = [max(sp.end for sp in row) for row in sim.timeline]
         reduce = [reduce_seconds(sum(o.param_bytes for o in ops), r, bandwidth, latency, mode) for ops in stage_ops]
         step = max(e + red for e, red in zip(ends, reduce))

@@ -48,7 +48,7 @@ from .schedule import SCHEDULES, Schedule, build as build_schedule, max_in_fligh
 
 __all__ = [
     "OpCost", "ManagedMemory", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
-    "random_problem", "REL_SLACK",
+    "stage_work", "random_problem", "REL_SLACK",
 ]
 
 REL_SLACK = 1e-12  # relative slack on the (1 + eps) * optimum threshold: the optimum always passes
@@ -389,6 +389,18 @@ def evaluate(problem: PartitionProblem, bounds: Sequence[int],
     if bounds[0] != 0 or bounds[-1] != N or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise PartitionError(f"bounds: expected non-decreasing values from 0 to N = {N}, found {bounds!r}")
     return _make_partition(_tables(problem, previous), bounds)
+
+
+def stage_work(problem: PartitionProblem, bounds: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...],
+                                                                          tuple[float, ...]]:
+    """What a schedule replay of split ``bounds`` needs: per stage the forward and backward
+    seconds of its ops (one micro-batch), and per cut the seconds of its send (latency plus
+    the cut's bytes over the bandwidth)."""
+    b, P = bounds, problem.num_stages
+    fwd = tuple(sum(op.fwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
+    bwd = tuple(sum(op.bwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
+    send = tuple(problem.latency + problem.cut_bytes[b[c + 1]] / problem.bandwidth for c in range(P - 1))
+    return fwd, bwd, send
 
 
 # ---------------------------------------------------------------------------------- solver

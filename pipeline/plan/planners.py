@@ -22,7 +22,7 @@ import numpy as np
 
 from .partition import (
     REL_SLACK, Partition, PartitionError, PartitionProblem, _fewest_moves_many, _grids, _infeasible,
-    _make_partition, _minmax_dp, _tables, evaluate, random_problem, solve,
+    _make_partition, _minmax_dp, _tables, evaluate, random_problem, solve, stage_work,
 )
 from .schedule import Schedule
 from .simulate import makespan
@@ -44,11 +44,7 @@ def predicted_step(problem: PartitionProblem, part: Partition, move_seconds: flo
     plus M - 1 more rounds of the slowest stage."""
     if schedule is None:
         return sum(part.stage_times) + (problem.num_microbatches - 1) * part.max_time + move_seconds
-    b = part.bounds
-    fwd = [sum(op.fwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(problem.num_stages)]
-    bwd = [sum(op.bwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(problem.num_stages)]
-    send = [problem.latency + problem.cut_bytes[b[c + 1]] / problem.bandwidth for c in range(problem.num_stages - 1)]
-    return makespan(schedule, fwd, bwd, send) + move_seconds
+    return makespan(schedule, *stage_work(problem, part.bounds)) + move_seconds
 
 
 def migration_wait(moved_bytes: float, moved_ops: int, busy_bytes: float, busy_ops: int,
