@@ -38,12 +38,12 @@ TRACED = range(100, 120)  # a run of steps in the middle of training, traced on 
 QUICK_SEARCH = ["search.population=4", "search.generations=1", "search.bn_calib_batches=1"]
 
 
-def app_run(overrides: list[str], nproc: int, traced: bool = True) -> dict[str, Any]:
+def app_run(overrides: list[str], nproc: int) -> dict[str, Any]:
     """One run of ``python -m search`` (``nproc`` 1) or torchrun with ``nproc`` stages."""
     with tempfile.TemporaryDirectory() as out:
-        trace = [f"pipeline.trace_steps=[{','.join(map(str, TRACED))}]"] if traced and nproc > 1 else []
+        trace = [f"pipeline.trace_steps=[{','.join(map(str, TRACED))}]"] if nproc > 1 else []
         args = ["-m", "search", *overrides, *trace, f"hydra.run.dir={out}"]
-        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args[0:]]
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
                if nproc > 1 else [sys.executable, *args])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         load = os.getloadavg()[0]

@@ -231,11 +231,6 @@ class ReplicaReducer:
         """Another replica of this stage (a collective's failure names one)."""
         return next(r for r in self.mesh.replica_ranks() if r != self.mesh.rank)
 
-    def drop(self) -> None:
-        """Forget what was recorded (a step whose gradients are dropped)."""
-        self._contrib.clear()
-        self._bn_inputs.clear()
-
 
 def _set_bn(bns: Iterable[_BatchNorm], values: Sequence[torch.Tensor]) -> None:
     values = list(values)

@@ -220,9 +220,6 @@ class WaitRule:
         self._index = {op: {t: k for k, (t, _) in enumerate(us)} for op, us in self.users.items()}
         self._cache: dict[Action, tuple[Wait, ...]] = {}
 
-    def stage_of(self, op: str, subnet: int) -> int:
-        return self.users[op][self._index[op][subnet]][1]
-
     def producer(self, op: str, subnet: int) -> tuple[int, int] | None:
         """The (subnet, stage) whose update produces the version of ``op`` that ``subnet`` reads
         (None: the state the op had before the schedule)."""
@@ -380,8 +377,9 @@ def build(name: str, num_stages: int, num_microbatches: int) -> Schedule:
 def in_flight(name: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
     """Per stage, how many micro-batches' activations the named schedule holds at its peak.
 
-    The closed form of :func:`max_in_flight` for the builders here — the one definition the
-    partitioner's memory model uses: ``min(M, P - s)`` for 1F1B, ``M`` for GPipe.
+    The closed form of :func:`max_in_flight` for the builders here (the partitioner's memory
+    model counts the schedule object itself, ``PartitionProblem.in_flight``): ``min(M, P - s)``
+    for 1F1B, ``M`` for GPipe.
     """
     _check_sizes(num_stages, num_microbatches)
     if name == "1f1b":
