@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -94,13 +95,8 @@ class CrossExecutor:
     def run(self, seg: Segment) -> tuple[list[tuple[float, ...]], CrossRun]:
         """Run this rank's actions of ``seg``; returns every subnet's micro-batch losses (on
         every rank) and this stage's figures."""
-        if self.reducer is None:
+        with self.reducer.recorded() if self.reducer is not None else nullcontext():
             return self._run(seg)
-        self.reducer.recording = True
-        try:
-            return self._run(seg)
-        finally:
-            self.reducer.recording = False
 
     def _run(self, seg: Segment) -> tuple[list[tuple[float, ...]], CrossRun]:
         sch, me = seg.schedule, self.rank
@@ -211,15 +207,9 @@ class CrossExecutor:
         """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
         (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
         flight keep theirs); returns the micro-batch losses it decided on."""
-        ops = sorted(ops)
-        for op in ops:
-            self.shared.before_update(op, step)
-        stepped = [op for op in ops if op not in self.shared.frozen]
-        if self.reducer is not None:  # every replica's losses and the fold of all M micro-batches' gradients
-            with self.tracer.span(step, "reduce", "reduce"):
-                mb_losses = self.reducer.gather_losses(mb_losses)
-                self.reducer.reduce([self.tensors.module(op) for op in stepped])
-        update(self.tensors, stepped, lr, mb_losses)
-        for op in ops:
-            self.shared.after_update(op, step)
+        with self.shared.updating(sorted(ops), step) as stepped:
+            if self.reducer is not None:
+                with self.tracer.span(step, "reduce", "reduce"):
+                    mb_losses = self.reducer.fold(mb_losses, [self.tensors.module(op) for op in stepped])
+            update(self.tensors, stepped, lr, mb_losses)
         return tuple(mb_losses)

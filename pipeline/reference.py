@@ -100,13 +100,8 @@ class ReferenceEngine:
             with span(step, f"0B{mb}", "backward"):
                 run.backward_loss(loss)
             losses.append(loss.item())
-        with span(step, "optimizer", "optimizer"):
-            for op in ops:
-                self.shared.before_update(op, step)
-            # nothing changes when a loss is not finite; frozen shared ops never change
-            update(self.tensors, [op for op in ops if op not in self.shared.frozen], self.lr(step), losses)
-            for op in ops:
-                self.shared.after_update(op, step)
+        with span(step, "optimizer", "optimizer"), self.shared.updating(ops, step) as stepped:
+            update(self.tensors, stepped, self.lr(step), losses)  # nothing changes when a loss is not finite
         mem = self.tensors.release_step()
         return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
 

@@ -35,7 +35,8 @@ batch-norm statistics still take the exact chain (small). One collective instead
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +216,22 @@ class ReplicaReducer:
             g = next(summed[p.dtype])
             out.append(g.view_as(p).clone() if n else None)
         return out
+
+    @contextmanager
+    def recorded(self) -> Iterator[None]:
+        """Record (replicas k > 0) during the block: a step's training forwards and backwards."""
+        self.recording = True
+        try:
+            yield
+        finally:
+            self.recording = False
+
+    def fold(self, losses: Sequence[float], modules: Sequence[nn.Module]) -> tuple[float, ...]:
+        """After a step's backwards: every replica's micro-batch losses (returned), then the
+        gradients of all M micro-batches (:meth:`reduce`)."""
+        losses = self.gather_losses(losses)
+        self.reduce(modules)
+        return losses
 
     def gather_losses(self, losses: Sequence[float]) -> tuple[float, ...]:
         """Every replica's micro-batch losses, in global micro-batch order (on every rank)."""

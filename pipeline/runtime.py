@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,20 +294,14 @@ class PipelineEngine:
         mine = plan.slices[self.stage_index]
         policy = activation_policy(plan.activations[self.stage_index] if plan.activations else None)
         module = self.tensors.module if self.reducer is None else self.reducer.watching(self.tensors.module)
-        if self.reducer is not None:
-            self.reducer.recording = True
-        try:
+        with self.reducer.recorded() if self.reducer is not None else nullcontext():
             losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, module, policy)
-        finally:
-            if self.reducer is not None:
-                self.reducer.recording = False
         mb_losses = tuple(losses.tolist())  # the step's one host read, after its last action
         with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
             a0 = time.perf_counter()
-            if self.reducer is not None:  # every replica's losses, then the gradients of all M micro-batches
+            if self.reducer is not None:
                 with self.tracer.span(step, "reduce", "reduce"):
-                    mb_losses = self.reducer.gather_losses(mb_losses)
-                    self.reducer.reduce([self.tensors.module(op.op_id) for op in mine.ops])
+                    mb_losses = self.reducer.fold(mb_losses, [self.tensors.module(op.op_id) for op in mine.ops])
             update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses)
             memory = self.tensors.release_step()
             opt_s = time.perf_counter() - a0

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import copy
 from functools import lru_cache
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -114,8 +115,19 @@ class SharedOps:
         private = self._private.get((op, step))
         return private if private is not None else self._live(op)
 
-    def before_update(self, op: str, step: int) -> None:
-        """A delayed op's gradients and buffers from the private copy go to the live op."""
+    @contextmanager
+    def updating(self, ops: Sequence[str], step: int) -> Iterator[list[str]]:
+        """Around the optimizer step of ``ops`` (subnet ``step``'s, on this process): yields the
+        ops to step (never a frozen one). Before it, a delayed op's gradients and buffers go from
+        its private copy to the live op; after it, a delayed op's new version is kept for the
+        subnets that read it later."""
+        for op in ops:
+            self._take_private(op, step)
+        yield [op for op in ops if op not in self.frozen]
+        for op in ops:
+            self._keep_version(op, step)
+
+    def _take_private(self, op: str, step: int) -> None:
         private = self._private.pop((op, step), None)
         if private is None or op in self.frozen:
             return
@@ -126,8 +138,7 @@ class SharedOps:
             for b, c in zip(live.buffers(), private.buffers()):
                 b.copy_(c)
 
-    def after_update(self, op: str, step: int) -> None:
-        """Keep the version after ``step``'s update for the subnets that read it later."""
+    def _keep_version(self, op: str, step: int) -> None:
         if op not in self.delayed:
             return
         versions = self._versions.setdefault(op, {})
