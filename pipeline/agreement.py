@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .lookahead import Plan
-from .transport import PeerError, peer_errors
+from .transport import peer_errors, wait_for
 
 __all__ = ["Agreement", "AgreementError"]
 
@@ -46,10 +46,7 @@ class Agreement:
         if self._posted is None:
             return None
         (work, t, plan), self._posted = self._posted, None
-        with peer_errors(_WHAT):
-            ok = work.wait(self.timeout)
-        if ok is False:
-            raise PeerError(None, _WHAT, f"no answer within {self.timeout.total_seconds():g} s")
+        wait_for(work, self.timeout, _WHAT)
         _compare(t, plan)
         return plan
 

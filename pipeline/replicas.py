@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .transport import PeerError, Transport, peer_errors
+from .transport import Transport, peer_errors, wait_for
 
 __all__ = ["Mesh", "MeshError", "ReplicaReducer", "new_group_per"]
 
@@ -239,9 +239,8 @@ class ReplicaReducer:
         out = [torch.empty_like(mine) for _ in range(self.mesh.replicas)]
         peer = self._a_peer()
         with peer_errors("gathering losses with", peer):
-            ok = dist.all_gather(out, mine, group=self.group, async_op=True).wait(self.transport.timeout)
-        if ok is False:
-            raise PeerError(peer, "gathering losses with", f"no answer within {self.transport.timeout.total_seconds():g} s")
+            work = dist.all_gather(out, mine, group=self.group, async_op=True)
+        wait_for(work, self.transport.timeout, "gathering losses with", peer)
         return tuple(v for t in out for v in t.tolist())
 
     def _a_peer(self) -> int:

@@ -104,6 +104,11 @@ def _take(mbs: list, share: range) -> list:
     return [mbs[m] for m in share]
 
 
+def _segment_key(archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> tuple:
+    """What a prepared segment was made for: its subnets, the op placement before it, the subnet before."""
+    return tuple(archs), dict(owners), prior
+
+
 def auto_stages(graph: SupernetGraph, world_size: int, microbatches: int, settings: PipelineSettings,
                 optimizer: str, sample_shape: Sequence[int] | None, batch_size: int | None) -> int:
     """``pipeline.stages: auto``: the mesh planner's S for this world (pipeline/plan/mesh.py),
@@ -278,7 +283,7 @@ class PipelineEngine:
         t0 = time.perf_counter()
         batch = x.shape[0]
         mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
-        mbs = [mbs[m] for m in self.mesh.microbatches(self.microbatches)]  # this replica's share
+        mbs = _take(mbs, self.mesh.microbatches(self.microbatches))  # this replica's share
         with self.failures.failing(step, "plan"):
             checked = self.agreement.read()  # before the moves made ahead settle
         with self.failures.failing(step, "migrate-ahead"), self.tracer.span(step, "settle moves", "migrate-ahead"):
@@ -341,7 +346,7 @@ class PipelineEngine:
         """The plans of ``archs`` (chained through the placement each leaves, from ``owners``
         and the subnet before, ``prior``) and their cross-subnet schedule. Pure: every rank makes
         the same, now or in the background a segment ahead."""
-        key = (tuple(archs), dict(owners), prior)
+        key = _segment_key(archs, owners, prior)
         plans, owners = [], dict(owners)
         for arch in archs:
             plan = self.planner.plan_with(arch, owners, prior)
@@ -367,7 +372,7 @@ class PipelineEngine:
             self.planner.ensure(items[0][2], items[0][2].shape[0] // M, training=True)
             ahead, self._ahead = self._ahead, None
             ready = ahead.result() if ahead is not None else None  # re-raises its error
-            key = (tuple(archs), dict(self.owners), self._last_arch)
+            key = _segment_key(archs, self.owners, self._last_arch)
             prep = ready if ready is not None and ready.key == key else self._prepare(archs, self.owners, self._last_arch)
             self.stats.planned_ahead = prep is ready
             self._agree(steps[0], prep.schedule)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .wire import TensorSpec
 
-__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError", "peer_errors"]
+__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError", "peer_errors", "wait_for"]
 
 _HEADER = 64
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -68,6 +68,15 @@ def peer_errors(what: str, peer: int | None = None) -> Iterator[None]:
         if isinstance(e, TransportError):
             raise
         raise PeerError(peer, what, _short(e)) from e
+
+
+def wait_for(work: dist.Work, timeout: datetime.timedelta, what: str, peer: int | None = None) -> None:
+    """Wait for a collective's ``work``: a lost rank or no answer within ``timeout`` is the
+    :class:`PeerError` ``{what} [rank {peer}] failed`` (see :func:`peer_errors`)."""
+    with peer_errors(what, peer):
+        ok = work.wait(timeout)
+    if ok is False:
+        raise PeerError(peer, what, f"no answer within {timeout.total_seconds():g} s")
 
 
 class PostedRecv:
