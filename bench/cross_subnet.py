@@ -70,14 +70,15 @@ from pipeline.plan.placement import initial_owners, moves  # noqa: E402
 from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
 from pipeline.plan.simulate import simulate  # noqa: E402
+from pipeline.settings import SHARED_MODES  # noqa: E402
+from pipeline.shared import shared_ops_of, stateful_ops  # noqa: E402
 from search.samplers import make_sampler  # noqa: E402
-from supernet import SupernetGraph, build_op  # noqa: E402
+from supernet import SupernetGraph  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
 SETTING = dict(width=1024, microbatch=8, sample_shape=(128, 64), layers=48,
                rates=dict(flops_per_s=1e14, bytes_per_s=2e12, overhead_s=1e-5),
                link=dict(latency_s=1e-5, bandwidth=100e9))
-SHARED_MODES = ("exact", "delayed", "frozen")
 TARGETS = {(4, 1): 0.90, (8, 1): 0.85}  # (P, M) -> utilisation target; 0.95 with M = 4
 NASPIPE_WINDOW = 30
 
@@ -95,15 +96,7 @@ class Space:
     def __init__(self, graph: SupernetGraph, table: CostTable, link: Mapping[str, float], bytes_per_s: float,
                  overhead_s: float) -> None:
         self.graph, self.table, self.link = graph, table, dict(link)
-        stateful: dict[tuple, bool] = {}
-        self.stateful: set[str] = set()
-        for slot in graph.slots():
-            if slot.spec not in stateful:
-                with torch.device("meta"):
-                    m = build_op(slot.spec, slot.op_id, 0)
-                stateful[slot.spec] = any(True for _ in m.parameters()) or any(True for _ in m.buffers())
-            if stateful[slot.spec]:
-                self.stateful.add(slot.op_id)
+        self.stateful = stateful_ops(graph)
         self.shared = frozenset(s.op_id for s in graph.slots() if not graph.is_choice(s.node))
         ops = table.ops
         # SGD with momentum: weights, grads, momentum read; weights, momentum written (one call per stage)
@@ -268,7 +261,7 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     s = make_sampler(sampler, space.graph.space(), seed)
     archs = [s.next() for _ in range(subnets)]
     work, origin, state_time = plan_stream(space, archs, P, M, eps)
-    shared = space.shared & space.stateful
+    shared = shared_ops_of(space.graph)
     flush = flush_figures(work, M, origin, state_time)
     out = []
     picked_delayed = None

@@ -8,6 +8,7 @@ __all__ = ["PipelineSettings", "DistEnv", "dist_env"]
 
 SCHEDULES = ("gpipe", "1f1b")
 PLANNERS = ("dynamic", "equal", "static", "oracle")
+SHARED_MODES = ("exact", "delayed", "frozen")  # pipeline.shared_ops (pipeline/shared.py)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class PipelineSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"pipeline.{name}: expected an integer >= {lo}, found {v!r}")
-        if self.shared_ops not in ("exact", "delayed", "frozen"):
+        if self.shared_ops not in SHARED_MODES:
             raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
         if self.reduce not in ("exact", "fast"):
             raise ValueError(f"pipeline.reduce: expected 'exact' or 'fast', found {self.reduce!r}")
