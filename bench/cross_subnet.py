@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench._spawn import emit, progress  # noqa: E402
+from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, subnet_problem  # noqa: E402
 from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
@@ -76,9 +77,7 @@ from search.samplers import make_sampler  # noqa: E402
 from supernet import SupernetGraph  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
-SETTING = dict(width=1024, microbatch=8, sample_shape=(128, 64), layers=48,
-               rates=dict(flops_per_s=1e14, bytes_per_s=2e12, overhead_s=1e-5),
-               link=dict(latency_s=1e-5, bandwidth=100e9))
+SETTING = dict(SOURCES["analytic"], layers=48)  # bench/naspipe_planner.py's analytic source, NASPipe's depth
 TARGETS = {(4, 1): 0.90, (8, 1): 0.85}  # (P, M) -> utilisation target; 0.95 with M = 4
 NASPIPE_WINDOW = 30
 

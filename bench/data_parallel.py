@@ -31,13 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._spawn import emit  # noqa: E402
+from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.costs import analytic_costs, mean_problem  # noqa: E402
 from pipeline.plan.mesh import mesh_options, recommend  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
-NASPIPE = dict(width=1024, microbatch=8, sample_shape=(128, 64), rates=dict(flops_per_s=1e14, bytes_per_s=2e12,
-                                                                              overhead_s=1e-5),
-               link=dict(latency_s=1e-5, bandwidth=100e9))
+NASPIPE = SOURCES["analytic"]
 M = 32
 
 

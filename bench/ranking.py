@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 from bench._spawn import OUT, emit, progress  # noqa: E402
+from pipeline.settings import SHARED_MODES  # noqa: E402
 
 ARCHS = 30
 SEEDS = (0, 1, 2)
@@ -281,7 +282,7 @@ def main() -> None:
     ap.add_argument("--archs", type=int, default=ARCHS)
     ap.add_argument("--samplers", nargs="+", default=["uniform", "fair"])
     ap.add_argument("--figure", type=Path, default=OUT / "ranking.png")
-    ap.add_argument("--shared-ops", nargs="+", default=["exact"], choices=("exact", "delayed", "frozen"),
+    ap.add_argument("--shared-ops", nargs="+", default=["exact"], choices=SHARED_MODES,
                     help="how ops in every subnet are trained (issue 15: delayed reads vs exact); one row each")
     ap.add_argument("--shared-delay", type=int, default=1)
     ap.add_argument("--supernet-seeds", type=int, default=1, help="supernets per setting: tau's noise")

@@ -67,7 +67,8 @@ from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
 from pipeline.plan.residency import ResidencyError, next_use, plan_residency  # noqa: E402
 from pipeline.plan.schedule import Action, build as build_schedule, in_flight  # noqa: E402
 from pipeline.plan.simulate import Copy, HostLinks, makespan, simulate  # noqa: E402
-from search.samplers import make_sampler  # noqa: E402
+from pipeline.memory.settings import OPTIMIZER_PLACEMENTS  # noqa: E402
+from search.samplers import ORDERS, make_sampler  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
 SCHEDULE = "1f1b"
@@ -384,7 +385,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--oversub", type=float, nargs="+", default=[4.0, 8.0])
     ap.add_argument("--placements", nargs="+", default=["device", "host", "hybrid"],
-                    choices=["device", "host", "hybrid"])
+                    choices=list(OPTIMIZER_PLACEMENTS))
     ap.add_argument("--hybrid-gap", type=int, default=1,
                     help="hybrid: an op's state stays on the device while its next use is at most this many steps away")
     ap.add_argument("--naspipe-microbatches", type=int, nargs="+", default=[8, 16],
@@ -399,7 +400,7 @@ def main() -> None:
     ap.add_argument("--host-update", type=float, default=1.5e9, help="host AdamW parameters/s per stage")
     ap.add_argument("--samplers", nargs="+", default=["uniform"], choices=["uniform", "fair"],
                     help="the app's samplers the subnets come from (sampler.name)")
-    ap.add_argument("--orders", nargs="+", default=["stream"], choices=["stream", "locality"],
+    ap.add_argument("--orders", nargs="+", default=["stream"], choices=list(ORDERS),
                     help="sampler.order: as drawn, or locality-aware within each fair round / block of draws")
     ap.add_argument("--arena-quantiles", type=float, nargs="+", default=[1.0],
                     help="size each stage's arena at these quantiles of its two-step op state (run_setting's "

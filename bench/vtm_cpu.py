@@ -120,21 +120,22 @@ def bandwidth(sizes_mib: tuple[int, ...] = (16, 256), repeat: int = 10) -> list[
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pipeline.memory.settings import CPU_COPIES, OPTIMIZER_PLACEMENTS, POLICIES, MemorySettings
+    from search.samplers import ORDERS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--setting", action="append", choices=sorted(SETTINGS), help="default: all")
-    ap.add_argument("--policy", default="belady", choices=("belady", "lru", "on_demand"))
+    ap.add_argument("--policy", default="belady", choices=POLICIES)
     ap.add_argument("--budget-scale", type=float, default=1.0, help="budget = scale x the largest subnet")
-    ap.add_argument("--cpu-copies", default="inline", choices=("thread", "inline"),
+    ap.add_argument("--cpu-copies", default="inline", choices=CPU_COPIES,
                     help="memory.cpu_copies: copies on the calling thread (the default), or a background thread")
-    from pipeline.memory.settings import OPTIMIZER_PLACEMENTS, MemorySettings
-
     ap.add_argument("--optimizer", default=MemorySettings().optimizer, choices=OPTIMIZER_PLACEMENTS,
                     help="memory.optimizer (default: the config's default): the state stays on the host and is "
                          "updated there, travels with its op (device), or per op and step (hybrid)")
     ap.add_argument("--sampler", default=None, choices=("uniform", "fair"), help="sampler.name (default: the config's)")
-    ap.add_argument("--order", default="stream", choices=("stream", "locality"),
+    ap.add_argument("--order", default="stream", choices=ORDERS,
                     help="sampler.order in both modes: as drawn, or locality-aware within each fair round / block")
     args = ap.parse_args(argv)
     if args.device == "cuda":
