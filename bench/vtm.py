@@ -132,6 +132,8 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     send_b = [table.out_bytes[space.actives[0][bounds[c + 1] - 1].node] for c in range(P - 1)]
     send = [link["latency_s"] + b / link["bandwidth"] for b in send_b]
     schedule = build_schedule(SCHEDULE, P, M)
+    step_s = [makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n)]  # all-resident, per subnet
+    uses = n * 50  # op uses over the stream (NASPipe's subnets run 50 ops)
 
     # the device copy of an op's state and what a use moves (pipeline.plan.simulate's doc)
     weights = {o: c.param_bytes for o, c in ops.items()}  # 4 B/param
@@ -143,9 +145,8 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     if placement == "hybrid":
         optim = {o: c.optim_bytes for o, c in ops.items()}
         # the host updates at most what it can while a step runs (all-resident step time)
-        step_s = [makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n)]
-        cap = [[step_s[t] * 4 * host_update for t in range(n)] for s in range(P)]
-        hybrid_plans = [limit_host(plan_hybrid(ids[s], weights, optim, hybrid), ids[s], weights, cap[s])
+        cap = [step_s[t] * 4 * host_update for t in range(n)]
+        hybrid_plans = [limit_host(plan_hybrid(ids[s], weights, optim, hybrid), ids[s], weights, cap)
                         for s in range(P)]
         on_host = [p.on_host for p in hybrid_plans]
     else:
@@ -179,7 +180,7 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
                            floor=floor, two_steps=two_steps))
     if placement == "hybrid":
         out["hybrid"] = {"max_gap": hybrid.max_gap, "hold": hybrid.hold,
-                         "host_share": sum(len(h) for st in on_host for h in st) / (n * 50)}
+                         "host_share": sum(len(h) for st in on_host for h in st) / uses}
     # the partitioner's memory model of the tensor manager (pipeline.plan.partition.ManagedMemory)
     # on the same split: active ops' state + grads, the least activation memory, a step's op
     # state reserved for prefetching
@@ -214,13 +215,12 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
                 kept += plan.choices.count("keep")
     except ActivationError as e:
         return {**out, "infeasible": str(e), "short_by_bytes": e.short_by}
-    uses = n * 50
     out["activations"] = {"kept_share": kept / uses, "recomputed_share": recomputed / uses,
                           "swapped_share": 1 - (kept + recomputed) / uses,
                           "added_ms_per_step_max_stage": 1e3 * float(added.max(axis=0).mean())}
 
     # all-resident: infinite memory, no copies, every activation kept
-    base = sum(makespan(schedule, fwd[:, t], bwd[:, t], send) for t in range(n))
+    base = sum(step_s)
     out["all_resident"] = {"subnets_per_hour": 3600 * n / base, "step_ms": 1e3 * base / n}
     if ceiling:
         out["ceiling"] = memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw)
