@@ -65,8 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
-from pipeline.plan.costs import CostTable, analytic_costs, subnet_problem  # noqa: E402
-from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
+from pipeline.plan.costs import CostTable, analytic_costs, mean_cost, subnet_problem  # noqa: E402
+from pipeline.plan.partition import PartitionProblem  # noqa: E402
 from pipeline.plan.placement import initial_owners, moves  # noqa: E402
 from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
@@ -131,17 +131,11 @@ def subnet_work(space: Space, active, bounds: Sequence[int], problem: PartitionP
                                                  if active[i].op_id in space.stateful) for r in stage))
 
 
-def _block_problem(space: Space, actives: Sequence, P: int, M: int) -> PartitionProblem:
-    """The mean problem of a block of subnets: node by node, the mean of the ops they run there."""
-    link, table = space.link, space.table
-    first = subnet_problem(space.graph, actives[0], table, P, M, "1f1b", link["bandwidth"], link["latency_s"])
-    ops = []
-    for k, op in enumerate(actives[0]):
-        cs = [table.ops[a[k].op_id] for a in actives]
-        ops.append(OpCost(op.node, sum(c.fwd for c in cs) / len(cs), sum(c.bwd for c in cs) / len(cs),
-                          round(sum(c.param_bytes for c in cs) / len(cs)), round(sum(c.optim_bytes for c in cs) / len(cs)),
-                          round(sum(c.act_bytes for c in cs) / len(cs))))
-    return PartitionProblem(tuple(ops), first.cut_bytes, P, M, "1f1b", link["bandwidth"], link["latency_s"])
+def _block_problem(space: Space, actives: Sequence, cut_bytes: Sequence[int], P: int, M: int) -> PartitionProblem:
+    """The mean problem of a block of subnets: node by node, the mean of the ops they run there
+    (``cut_bytes``: those of the block's first subnet)."""
+    ops = tuple(mean_cost(op.node, [space.table.ops[a[k].op_id] for a in actives]) for k, op in enumerate(actives[0]))
+    return PartitionProblem(ops, tuple(cut_bytes), P, M, "1f1b", space.link["bandwidth"], space.link["latency_s"])
 
 
 def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05,
@@ -163,7 +157,7 @@ def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05
         if block is None:
             bounds = planner.plan(problem, {op.op_id: owners[op.op_id] for op in active}, before).bounds
         elif k % block == 0:
-            bounds = planner.plan(_block_problem(space, actives[k:k + block], P, M)).bounds
+            bounds = planner.plan(_block_problem(space, actives[k:k + block], problem.cut_bytes, P, M)).bounds
         for mv in moves(active, bounds, owners):
             owners[mv.op_id] = mv.dst
         work.append(subnet_work(space, active, bounds, problem))

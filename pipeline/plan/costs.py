@@ -10,7 +10,7 @@ The measured profiler (``pipeline.profile``) produces the same table from timing
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ from supernet.execute import live_across
 from .partition import ManagedMemory, OpCost, PartitionProblem
 from .schedule import Schedule
 
-__all__ = ["CostTable", "analytic_costs", "mean_problem", "optim_bytes", "subnet_problem"]
+__all__ = ["CostTable", "analytic_costs", "mean_cost", "mean_problem", "optim_bytes", "subnet_problem"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,14 @@ def subnet_problem(
     )
 
 
+def mean_cost(node: str, costs: Sequence[OpCost]) -> OpCost:
+    """One op at ``node`` costing the mean of ``costs`` (byte counts rounded to whole bytes)."""
+    n = len(costs)
+    return OpCost(node, sum(c.fwd for c in costs) / n, sum(c.bwd for c in costs) / n,
+                  round(sum(c.param_bytes for c in costs) / n), round(sum(c.optim_bytes for c in costs) / n),
+                  round(sum(c.act_bytes for c in costs) / n))
+
+
 def mean_problem(graph: SupernetGraph, table: CostTable, **problem: object) -> PartitionProblem:
     """The supernet's 'average subnet': each node costs the mean of its candidates. What a
     static planner (PipeDream/torchgpipe style) partitions once. Cuts are those of the subnet
@@ -146,12 +154,7 @@ def mean_problem(graph: SupernetGraph, table: CostTable, **problem: object) -> P
     by_node: dict[str, list[OpCost]] = {}
     for slot in graph.slots():
         by_node.setdefault(slot.node, []).append(table.ops[slot.op_id])
-    ops = tuple(
-        OpCost(node, sum(c.fwd for c in cs) / len(cs), sum(c.bwd for c in cs) / len(cs),
-               round(sum(c.param_bytes for c in cs) / len(cs)), round(sum(c.optim_bytes for c in cs) / len(cs)),
-               round(sum(c.act_bytes for c in cs) / len(cs)))
-        for node, cs in by_node.items()
-    )
+    ops = tuple(mean_cost(node, cs) for node, cs in by_node.items())
     first = graph.space().validate({c.label: c.values[0] for c in graph.space().choices})
     live = live_across(graph.active_ops(first), graph.output)
     cut_bytes = tuple(sum(table.out_bytes[n] for n in nodes) for nodes in live)
