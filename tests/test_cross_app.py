@@ -14,25 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from search.app import run
+from tests.test_app import ROOT, TINY, TINY_CONV, make_cfg
+from tests.test_divergence import DIVERGING
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_CONV = ["space.layers=2", "space.channels=[4,8]", "space.downsample_at=[1]"]
-TINY = ["train.steps=12", "train.batch_size=32", "train.microbatches=2", "train.checkpoint_every=5",
-        "train.log_every=4", "train.warmup_steps=2", "search.population=4", "search.generations=2", "search.top_k=3",
-        "search.bn_calib_batches=1", "search.calib_batch_size=32", "threads=1"]
 DELAYED = ["pipeline.window=4", "pipeline.shared_ops=delayed", "pipeline.shared_delay=1", "sampler=fair"]
-
-
-DIVERGING = ["~space", "+space._target_=tests.diverging_space.build", "+space.at_step=7", "+space.at_microbatch=1"]
-
-
-def cfg(*overrides: str):
-    space = [] if overrides[:1] == ("~space",) else TINY_CONV
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*space, *TINY, *overrides])
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +29,7 @@ def repo_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return {name: run(cfg(*extra), output_dir=tmp_path_factory.mktemp(name))
+    return {name: run(make_cfg(*extra), output_dir=tmp_path_factory.mktemp(name))
             for name, extra in {"flushed": [], "exact": ["pipeline.window=4"], "delayed": DELAYED}.items()}
 
 
@@ -53,13 +40,13 @@ def test_one_process_exact_window_is_sequential_and_delayed_is_recorded(one_proc
     assert one_process["flushed"]["pipeline"] == {"window": 1, "shared_ops": "exact", "shared_delay": None}
 
 
-def test_delayed_reads_change_the_train_digest(tmp_path: Path) -> None:
+def test_delayed_reads_change_the_train_digest() -> None:
     """A checkpoint of an exact run does not resume a delayed one (they train different weights)."""
     from search.config import train_digest
 
-    assert train_digest(cfg()) == train_digest(cfg("pipeline.window=4"))  # window alone changes nothing
-    assert train_digest(cfg()) != train_digest(cfg(*DELAYED))
-    assert train_digest(cfg(*DELAYED)) != train_digest(cfg(*DELAYED[:2], "pipeline.shared_delay=2", "sampler=fair"))
+    assert train_digest(make_cfg()) == train_digest(make_cfg("pipeline.window=4"))  # window alone changes nothing
+    assert train_digest(make_cfg()) != train_digest(make_cfg(*DELAYED))
+    assert train_digest(make_cfg(*DELAYED)) != train_digest(make_cfg(*DELAYED[:2], "pipeline.shared_delay=2", "sampler=fair"))
 
 
 @pytest.mark.dist
@@ -96,11 +83,11 @@ def test_nonfinite_loss_in_a_segment_stops_at_that_step(tmp_path: Path) -> None:
     from search.checkpoint import load_checkpoint
 
     with pytest.raises(NonFiniteLoss) as e:
-        run(cfg(*DIVERGING, *DELAYED[:3]), output_dir=tmp_path / "stop")
+        run(make_cfg(*DIVERGING, *DELAYED[:3]), output_dir=tmp_path / "stop")
     assert str(e.value).startswith("step 7: the loss is nan at micro-batch 1") and e.value.step == 7
     metrics = [json.loads(x) for x in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(8)) and metrics[-1]["nonfinite"] == "stop"
     assert load_checkpoint(tmp_path / "stop" / "checkpoint.pt").step == 5
 
-    skipped = run(cfg(*DIVERGING, *DELAYED[:3], "train.nonfinite=skip"), output_dir=tmp_path / "skip")
+    skipped = run(make_cfg(*DIVERGING, *DELAYED[:3], "train.nonfinite=skip"), output_dir=tmp_path / "skip")
     assert skipped["nonfinite_steps_skipped"] == 1 and skipped["final_loss"] is not None

@@ -4,6 +4,7 @@ written back."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -58,6 +59,12 @@ def run(space: str, optim: str, memory: MemorySettings | None, steps: int = STEP
     return out
 
 
+@functools.cache
+def reference(space: str, optim: str) -> dict:
+    """The all-resident run (run once per space and optimizer: the tests only read it)."""
+    return run(space, optim, None)
+
+
 def tight_budget(space: str, optim: str, steps: int = STEPS, optimizer: str = "device") -> int:
     """The smallest budget this run can use: the largest footprint of its steps' subnets (with
     the optimizer state on the device unless ``optimizer`` says otherwise)."""
@@ -76,7 +83,7 @@ def no_static_check(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_a_budget_that_forces_evictions_computes_the_same_bits(space: str, optim: str, no_static_check) -> None:
     budget = tight_budget(space, optim)
-    ref = run(space, optim, None)
+    ref = reference(space, optim)
     # copies on the background thread: the CUDA side stream's control flow (the default is inline)
     got = run(space, optim, MemorySettings(device_budget_bytes=budget, optimizer="device", cpu_copies="thread"),
               audit=True)
@@ -96,7 +103,7 @@ def test_a_budget_that_forces_evictions_computes_the_same_bits(space: str, optim
 def test_the_host_updated_optimizer_computes_the_same_bits(space: str, optim: str, no_static_check) -> None:
     """Optimizer state in host memory, updated there: only weights and buffers take device
     room, every used op leaves the device after its step, and the bits do not change."""
-    ref = run(space, optim, None)
+    ref = reference(space, optim)
     device_only = tight_budget(space, optim)
     mem = MemorySettings(device_budget_bytes=device_only, optimizer="host", cpu_copies="thread")
     got = run(space, optim, mem, audit=True)
@@ -113,7 +120,7 @@ def test_the_hybrid_placement_computes_the_same_bits(space: str, optim: str, no_
     """Hybrid: an op the next subnet reuses keeps its state on the device (a hit next step),
     the others are updated on the host; at the host placement's tightest budget too (the state
     then stays home where there is no room for it), and the bits do not change."""
-    ref = run(space, optim, None)
+    ref = reference(space, optim)
     for optimizer in ("device", "host"):  # room for the state of the step's ops, or only their weights
         budget = tight_budget(space, optim, optimizer=optimizer)
         got = run(space, optim, MemorySettings(device_budget_bytes=budget, optimizer="hybrid"), audit=True)
@@ -129,7 +136,7 @@ def test_the_hybrid_placement_computes_the_same_bits(space: str, optim: str, no_
 
 def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
     budget = tight_budget("cell", "adamw")
-    ref = run("cell", "adamw", None)
+    ref = reference("cell", "adamw")
     got = run("cell", "adamw", MemorySettings(device_budget_bytes=budget, cpu_copies="inline", optimizer="device"), audit=True)
     assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"]
     assert got["stats"].late == 0 and all(not a.stray for a in got["audits"])
@@ -138,7 +145,7 @@ def test_inline_cpu_copies_compute_the_same_bits(no_static_check) -> None:
 @pytest.mark.parametrize("policy", ["lru", "on_demand"])
 def test_baseline_policies_compute_the_same_bits(policy: str, no_static_check) -> None:
     budget = tight_budget("conv", "sgd")
-    ref = run("conv", "sgd", None)
+    ref = reference("conv", "sgd")
     got = run("conv", "sgd", MemorySettings(device_budget_bytes=budget, policy=policy, optimizer="device"))
     assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"]
     if policy == "on_demand":  # nothing fetched ahead: every fetch is a miss

@@ -297,7 +297,7 @@ def test_cross_subnet_timeline_respects_every_wait(seed: int) -> None:
                 if wait.action is None:
                     assert sp.start >= state[wait.op] - 1e-12
                     continue
-                arrive = span[wait.action].end + {"activation": w.send[min(s, s - 1)] if s else 0.0,
+                arrive = span[wait.action].end + {"activation": w.send[s - 1] if s else 0.0,
                                                   "gradient": w.send[s] if s < P - 1 else 0.0,
                                                   "state": state.get(wait.op or "", 0.0)}.get(wait.message, 0.0)
                 assert sp.start >= arrive - 1e-12, (a, wait)
