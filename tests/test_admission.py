@@ -16,6 +16,7 @@ import pytest
 from pipeline.plan.admission import SubnetWork, _admit, cross_subnet, flushed
 from pipeline.plan.schedule import Action, Schedule, ScheduleError, max_in_flight, one_f_one_b, validate
 from pipeline.plan.simulate import simulate
+from test_schedule import _subnets
 
 
 def _work(uses, fwd=1.0, bwd=2.0, send=0.0, update=0.0) -> SubnetWork:
@@ -364,40 +365,34 @@ def test_window_fills_the_pipeline_across_subnets() -> None:
 # ------------------------------------------------------------------------ the validator
 
 
-def _hand(rows: list[str], T: int, uses, **kw) -> Schedule:
-    actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
-    M = 1 + max(a.microbatch for row in actions for a in row)
-    return Schedule("hand", len(rows), M, actions, num_subnets=T, uses=uses, **kw)
-
-
 def test_validator_rejects_a_schedule_that_breaks_op_update_order() -> None:
     uses = (({"w"},), ({"w"},))
-    good = _hand(["0F0 0B0 0U 0F0@1 0B0@1 0U@1"], 2, uses)
+    good = _subnets(["0F0 0B0 0U 0F0@1 0B0@1 0U@1"], 2, uses)
     assert validate(good) is good
     # subnet 1 reads w before subnet 0 has updated it
-    bad = _hand(["0F0 0B0 0F0@1 0U 0B0@1 0U@1"], 2, uses)
+    bad = _subnets(["0F0 0B0 0F0@1 0U 0B0@1 0U@1"], 2, uses)
     with pytest.raises(ScheduleError, match="op update order") as info:
         validate(bad)
     msg = str(info.value)
     assert "[0F0@1]" in msg and "[0U]" in msg and "'w'" in msg and "subnet 1" in msg
     # the same with the op on the second of two stages
     uses2 = ((set(), {"w"}), (set(), {"w"}))
-    bad2 = _hand(["0F0 0F0@1 0B0 0U 0B0@1 0U@1", "1F0 1B0 1F0@1 1B0@1 1U@1 1U"], 2, uses2)
+    bad2 = _subnets(["0F0 0F0@1 0B0 0U 0B0@1 0U@1", "1F0 1B0 1F0@1 1B0@1 1U@1 1U"], 2, uses2)
     with pytest.raises(ScheduleError, match="op update order"):
         validate(bad2)
     # without a shared op the same interleaving is fine
-    free = _hand(["0F0 0B0 0F0@1 0U 0B0@1 0U@1"], 2, ((set(),), (set(),)))
+    free = _subnets(["0F0 0B0 0F0@1 0U 0B0@1 0U@1"], 2, ((set(),), (set(),)))
     assert validate(free) is free
 
 
 def test_validator_rejects_updates_out_of_subnet_order_for_delayed_ops() -> None:
     uses = (({"w"},), ({"w"},))
-    ok = _hand(["0F0 0F0@1 0B0 0B0@1 0U 0U@1"], 2, uses, delayed=frozenset({"w"}), delay=1)
+    ok = _subnets(["0F0 0F0@1 0B0 0B0@1 0U 0U@1"], 2, uses, delayed=frozenset({"w"}), delay=1)
     assert validate(ok) is ok  # subnet 1 reads the initial w (one update late): it overlaps
-    swapped = _hand(["0F0 0F0@1 0B0 0B0@1 0U@1 0U"], 2, uses, delayed=frozenset({"w"}), delay=1)
+    swapped = _subnets(["0F0 0F0@1 0B0 0B0@1 0U@1 0U"], 2, uses, delayed=frozenset({"w"}), delay=1)
     with pytest.raises(ScheduleError, match="op update order"):
         validate(swapped)
-    frozen = _hand(["0F0 0F0@1 0B0 0B0@1 0U@1 0U"], 2, uses, frozen=frozenset({"w"}))
+    frozen = _subnets(["0F0 0F0@1 0B0 0B0@1 0U@1 0U"], 2, uses, frozen=frozenset({"w"}))
     assert validate(frozen) is frozen  # never updated: no order
 
 
@@ -406,26 +401,26 @@ def test_validator_rejects_a_moving_delayed_or_frozen_op() -> None:
     rows = ["0F0 0B0 0U 0F0@1 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"]
     for kw, word in ((dict(delayed=frozenset({"w"}), delay=1), "delayed"), (dict(frozen=frozenset({"w"})), "frozen")):
         with pytest.raises(ScheduleError, match=f"{word} op 'w' runs on stages \\[0, 1\\]"):
-            validate(_hand(rows, 2, uses, **kw))
-    assert validate(_hand(rows, 2, uses))  # an exact op may move
+            validate(_subnets(rows, 2, uses, **kw))
+    assert validate(_subnets(rows, 2, uses))  # an exact op may move
 
 
 def test_validator_on_cross_subnet_shapes() -> None:
     uses = (({"w"},), ({"w"},))
     with pytest.raises(ScheduleError, match="never runs 0U@1"):
-        validate(_hand(["0F0 0B0 0U 0F0@1 0B0@1"], 2, uses))
+        validate(_subnets(["0F0 0B0 0U 0F0@1 0B0@1"], 2, uses))
     with pytest.raises(ScheduleError, match=r"0U runs before 0B0"):
-        validate(_hand(["0F0 0U 0B0 0F0@1 0B0@1 0U@1"], 2, uses))
+        validate(_subnets(["0F0 0U 0B0 0F0@1 0B0@1 0U@1"], 2, uses))
     with pytest.raises(ScheduleError, match="subnet 2 is out of range"):
-        validate(_hand(["0F0 0B0 0U 0F0@2 0B0@2 0U@2"], 2, uses))
+        validate(_subnets(["0F0 0B0 0U 0F0@2 0B0@2 0U@2"], 2, uses))
     with pytest.raises(ScheduleError, match="no update actions"):
         validate(Schedule("x", 1, 1, ((Action.parse("0F0"), Action.parse("0B0"), Action.parse("0F0@1"),
                                        Action.parse("0B0@1")),), num_subnets=2))
     with pytest.raises(ScheduleError, match="ascending micro-batch order"):
-        validate(_hand(["0F1 0F0 0B0 0B1 0U"], 1, (({"w"},),)))
+        validate(_subnets(["0F1 0F0 0B0 0B1 0U"], 1, (({"w"},),)))
     with pytest.raises(ScheduleError, match="deadlock"):
         # stage 1 runs subnet 1 first; its forward waits for stage 0, which waits for subnet 0's gradient
-        validate(_hand(["0F0 0B0 0F0@1 0U 0B0@1 0U@1", "1F0@1 1B0@1 1F0 1B0 1U 1U@1"], 2, ((set(), set()),) * 2))
+        validate(_subnets(["0F0 0B0 0F0@1 0U 0B0@1 0U@1", "1F0@1 1B0@1 1F0 1B0 1U 1U@1"], 2, ((set(), set()),) * 2))
 
 
 def test_cross_subnet_rejects_bad_inputs() -> None:

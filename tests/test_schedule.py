@@ -15,11 +15,12 @@ from pipeline.plan.schedule import (
 SIZES = list(itertools.product(range(1, 7), range(1, 11)))
 
 
-def _sched(rows: list[str], name: str = "hand", M: int | None = None, training: bool = True) -> Schedule:
+def _sched(rows: list[str], name: str = "hand", M: int | None = None, training: bool = True, **kw) -> Schedule:
+    """A schedule from its rows as text (``kw``: the cross-subnet fields, ``num_subnets``, ``uses``, ...)."""
     actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
     if M is None:
         M = 1 + max(a.microbatch for row in actions for a in row)
-    return Schedule(name, len(actions), M, actions, training)
+    return Schedule(name, len(actions), M, actions, training, **kw)
 
 
 # ------------------------------------------------------------------------------ actions
@@ -206,9 +207,7 @@ def test_format_grid_marks_and_aligns() -> None:
 
 
 def _subnets(rows: list[str], T: int, uses, **kw) -> Schedule:
-    actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
-    M = 1 + max(a.microbatch for row in actions for a in row)
-    return Schedule("hand", len(rows), M, actions, num_subnets=T, uses=uses, **kw)
+    return _sched(rows, num_subnets=T, uses=uses, **kw)
 
 
 def test_validator_rejects_breaking_op_update_order() -> None:

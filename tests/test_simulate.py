@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.plan.schedule import Action, Schedule, ScheduleError, forward_only, gpipe, max_in_flight, one_f_one_b
 from pipeline.plan.simulate import SimulationError, simulate
+from test_schedule import _subnets
 
 SIZES = list(itertools.product(range(1, 7), range(1, 11)))
 
@@ -207,9 +208,7 @@ from pipeline.plan.simulate import makespan  # noqa: E402
 
 
 def _cross(rows: list[str], uses, **kw) -> Schedule:
-    actions = tuple(tuple(Action.parse(x) for x in row.split()) for row in rows)
-    M = 1 + max(a.microbatch for row in actions for a in row)
-    return Schedule("hand", len(rows), M, actions, num_subnets=len(uses), uses=uses, **kw)
+    return _subnets(rows, len(uses), uses, **kw)
 
 
 def _work(P: int, fwd, bwd, send=None, update=None, uses=None):
