@@ -275,6 +275,10 @@ def figures(path: Path, archs: list[dict[str, str]], truth: Truth, results: dict
     plt.close(fig)
 
 
+def _mean_or_none(xs: Sequence[float]) -> float | None:
+    return round(statistics.fmean(xs), 4) if xs else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--supernet-steps", type=int, default=1500)
@@ -321,9 +325,8 @@ def main() -> None:
             p["standalone_accuracy"] = truth.mean(p["arch"])
     best = truth.best()
     rows = []
-    for sampler, r in results.items():
+    for r in results.values():
         regret = {alg: [best - p["standalone_accuracy"] for p in picks] for alg, picks in r["picks"].items()}
-        mean_or_none = (lambda xs: round(statistics.fmean(xs), 4) if xs else None)  # noqa: E731
         row = {
             "bench": "ranking", "sampler": r["sampler"], "shared_ops": r["shared_ops"],
             "shared_delay": args.shared_delay if r["shared_ops"] == "delayed" else None,
@@ -341,8 +344,8 @@ def main() -> None:
             "seed_spread_median": round(statistics.median(max(truth.of(a)) - min(truth.of(a)) for a in archs), 4),
             "supernet_range": [round(min(r["accuracy"]), 4), round(max(r["accuracy"]), 4)],
             "search_budget": SEARCH["population"] * SEARCH["generations"], "search_runs": args.search_seeds,
-            "evolution_regret_mean": mean_or_none(regret["evolution"]),
-            "random_regret_mean": mean_or_none(regret["random"]),
+            "evolution_regret_mean": _mean_or_none(regret["evolution"]),
+            "random_regret_mean": _mean_or_none(regret["random"]),
             "evolution_regret": [round(x, 4) for x in regret["evolution"]],
             "random_regret": [round(x, 4) for x in regret["random"]],
             "regret_reference": round(best, 4), "standalone_archs_trained": len(truth.runs),
@@ -351,10 +354,10 @@ def main() -> None:
         }
         r["row"] = row
         rows.append(row)
-    by_setting: dict[tuple, list[float]] = {}
-    for row in rows:
-        by_setting.setdefault((row["sampler"], row["shared_ops"]), []).append(row["kendall_tau"])
     if args.supernet_seeds > 1 or len(args.shared_ops) > 1:  # tau per setting over supernet seeds: its noise
+        by_setting: dict[tuple, list[float]] = {}
+        for row in rows:
+            by_setting.setdefault((row["sampler"], row["shared_ops"]), []).append(row["kendall_tau"])
         for (sampler, mode), taus in by_setting.items():
             rows.append({"bench": "ranking", "summary": True, "sampler": sampler, "shared_ops": mode,
                          "shared_delay": args.shared_delay if mode == "delayed" else None,

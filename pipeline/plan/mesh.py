@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .partition import PartitionProblem, solve, stage_work
-from .schedule import build as build_schedule
 from .simulate import simulate
 
 __all__ = ["MeshOption", "mesh_options", "recommend", "reduce_seconds"]
@@ -62,7 +61,7 @@ def mesh_options(mean: PartitionProblem, world: int, microbatches: int, microbat
         b = solve(problem).bounds
         stage_ops = [mean.ops[b[k]:b[k + 1]] for k in range(s)]
         fwd, bwd, sends = stage_work(problem, b)
-        sim = simulate(build_schedule("1f1b", s, microbatches // r), fwd, bwd, sends, sends)
+        sim = simulate(problem.schedule, fwd, bwd, sends, sends)  # the problem's default: 1F1B
         ends = [max(sp.end for sp in row) for row in sim.timeline]
         reduce = [reduce_seconds(sum(o.param_bytes for o in ops), r, bandwidth, latency, mode) for ops in stage_ops]
         step = max(e + red for e, red in zip(ends, reduce))

@@ -138,7 +138,7 @@ def _check(uses: Sequence[Iterable[str]], sizes: Mapping[str, int], budget: int,
     for name, table in (("sizes", sizes), ("host_sizes", host_sizes)):
         for t, ops in enumerate(trace):
             for op in ops:
-                if table is host_sizes and (on_host is None or op not in on_host[t]):
+                if name == "host_sizes" and (on_host is None or op not in on_host[t]):
                     continue
                 size = table.get(op)
                 if size is None:
