@@ -274,7 +274,7 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     for e, cap in ((0.0, 1), (eps, 2), (0.0, 2)):
         if e not in streams:
             w = plan_stream(space, archs, P, M, e)
-            streams[e] = (*w, flush_figures(*w[:1], M, *w[1:]))
+            streams[e] = (*w, flush_figures(w[0], M, w[1], w[2]))
         w, o, st, fl = streams[e]
         picked = choose(w, M, "delayed", shared, o, st, cap)
         out.append(row(P, M, sampler, "delayed", picked, fl, subnets, seed, bench="cross_subnet_options",

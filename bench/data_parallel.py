@@ -72,8 +72,7 @@ def real(steps: int) -> dict:
         wall = time.perf_counter() - t0
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
         rates = [r["samples_per_s"] for r in rows if "samples_per_s" in r and r.get("step", 0) >= 5]
-        events = json.loads((d / "trace.json").read_text())
-        events = events.get("traceEvents", events) if isinstance(events, dict) else events
+        events = json.loads((d / "trace.json").read_text())["traceEvents"]  # pipeline.trace.chrome_trace
         reduce_us = sum(e.get("dur", 0) for e in events if e.get("cat") == "reduce" and e.get("pid") == 0)
         summary = json.loads((d / "summary.json").read_text())
         out[f"S{stages}_R{2 // stages}"] = {
