@@ -47,7 +47,8 @@ from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .migration import Migrator
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
-from .replicas import Mesh, MeshError, ReplicaReducer, new_group_per
+from .layout import resolve_layout
+from .replicas import Mesh, ReplicaReducer, new_group_per
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
 from .rendezvous import init_process_group
 from .settings import DistEnv, PipelineSettings
@@ -109,25 +110,6 @@ def _segment_key(archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch |
     return tuple(archs), dict(owners), prior
 
 
-def auto_stages(graph: SupernetGraph, world_size: int, microbatches: int, settings: PipelineSettings,
-                optimizer: str, sample_shape: Sequence[int] | None, batch_size: int | None) -> int:
-    """``pipeline.stages: auto``: the mesh planner's S for this world (pipeline/plan/mesh.py),
-    from an analytic cost table of the supernet's average subnet (the same on every rank)."""
-    from .plan.costs import analytic_costs, mean_problem
-    from .plan.mesh import mesh_options, recommend
-
-    if sample_shape is None or batch_size is None:
-        raise ValueError("pipeline.stages: 'auto' needs the sample shape and batch size (create_engine's "
-                         "sample_shape and batch_size); give a number of stages instead")
-    mb = batch_size // microbatches
-    table = analytic_costs(graph, tuple(sample_shape), mb, optimizer)
-    mean = mean_problem(graph, table, num_stages=1, num_microbatches=microbatches)
-    best = recommend(mesh_options(mean, world_size, microbatches, mb, settings.link_bandwidth, settings.link_latency_s))
-    log.info("pipeline.stages=auto: %d stages x %d replicas (predicted %.1f samples/s)", best.stages,
-             best.replicas, best.samples_per_s)
-    return best.stages
-
-
 class PipelineEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int, lr: LrSchedule,
                  settings: PipelineSettings, env: DistEnv, device: torch.device,
@@ -138,20 +120,17 @@ class PipelineEngine:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
-        stages = settings.stages
-        if stages == "auto":
-            stages = auto_stages(graph, env.world_size, microbatches, settings, optim.name, sample_shape, batch_size)
         # the 2-D mesh: R replicas of an S-stage pipeline (pipeline/replicas.py); R = 1: one
-        # process per stage, exactly as without replicas
-        self.mesh = Mesh.of(env.rank, env.world_size, stages or env.world_size, microbatches)
+        # process per stage, exactly as without replicas. The app checked the same layout before
+        # anything was written (pipeline/layout.py).
+        layout = resolve_layout(settings, memory, env.world_size, microbatches, graph, optim.name, sample_shape,
+                                batch_size)
+        if settings.stages == "auto":
+            log.info("pipeline.stages=auto: %d stages x %d replicas (predicted %.1f samples/s)", layout.stages,
+                     layout.replicas, layout.predicted_samples_per_s)
+        self.mesh = Mesh.of(env.rank, env.world_size, layout.stages, microbatches)
         self.num_stages, self.replicas, self.stage_index = self.mesh.stages, self.mesh.replicas, self.mesh.stage
         self.local_microbatches = microbatches // self.replicas  # what this replica's schedule runs
-        if self.replicas > 1 and settings.shared_ops != "exact":
-            raise MeshError(f"pipeline.shared_ops: expected 'exact' with replicated stages ({self.replicas} replicas), "
-                            f"found {settings.shared_ops!r}; set pipeline.stages to the world size for {settings.shared_ops}")
-        if self.replicas > 1 and memory is not None and memory.virtual:
-            raise MeshError(f"memory.device_budget_bytes: expected null with replicated stages ({self.replicas} "
-                            "replicas): the tensor manager does not yet hold a replica's gradients until the reduction")
         if not dist.is_initialized():
             backend = settings.backend if settings.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
             if device.type == "cuda":

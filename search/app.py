@@ -38,6 +38,7 @@ import supernet.spaces  # noqa: F401 - registers the built-in spaces and their o
 from pipeline import Engine, EvalResult, create_engine, dist_env, params_digest
 from pipeline.engine import PLAN_AHEAD
 from pipeline.failures import Fault, inject, parse_fault
+from pipeline.layout import Layout, LayoutError, resolve_layout
 from pipeline.stop import StopVote
 from pipeline.trace import write_trace
 from supernet import Arch, SearchSpace, SupernetGraph, derive_seed
@@ -89,6 +90,7 @@ class Prepared:
     cost: SubnetCost
     ckpt: Checkpoint | None
     ckpt_file: Path | None
+    layout: Layout = Layout(1, 1)  # pipeline stages x replicas (pipeline/layout.py)
     notes: tuple[str, ...] = ()  # warnings to log once the run's logging is set up
 
 
@@ -98,13 +100,6 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     config, the data and the space it names, the run directory (``output_dir``, else the config's
     ``output_dir``, else Hydra's; ``output_field`` names it in errors) and the checkpoint there."""
     rc = load_config(cfg)
-    env = dist_env()
-    processes = env.world_size if env is not None else 1
-    if rc.pipeline.stages is not None and rc.pipeline.stages != processes:
-        how = (f"this run has {processes} (torchrun --nproc_per_node)" if env is not None else
-               f"this run is one process; run it with torchrun --nproc_per_node={rc.pipeline.stages} -m search")
-        raise ConfigError(f"pipeline.stages: expected the number of processes (one stage each) or null, found "
-                          f"{rc.pipeline.stages}: {how}")
     if output_dir is None and rc.output_dir is not None:
         output_dir = rc.output_dir
     out = _output_dir(output_dir)
@@ -115,6 +110,13 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     space = graph.space()
     seed_archs = [space.validate(a, f"search.seed_archs[{i}]") for i, a in enumerate(rc.search.seed_archs)]
     _sampler(rc, space)  # checks sampler.arch
+    env = dist_env()
+    try:  # the (stages, replicas) layout the engine will take, and what combines with replicas
+        layout = resolve_layout(rc.pipeline, rc.memory, env.world_size if env is not None else 1,
+                                rc.train.microbatches, graph, rc.train.optimizer.name, data.input_shape,
+                                rc.train.batch_size)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
     cost = SubnetCost(graph, data.input_shape, rc.seed)
     rc.search.constraints.check_feasible(space, cost)  # bounds no arch meets fail before training
     fields = train_fields(cfg)
@@ -124,7 +126,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     if ckpt is not None:
         _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
     return Prepared(rc, out, config_digest(cfg), fields, tdigest, data, graph, seed_archs, cost, ckpt, ckpt_file,
-                    tuple(notes))
+                    layout, tuple(notes))
 
 
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None, *,

@@ -2,7 +2,7 @@
 
 :func:`run_cases` spawns one process that runs each :class:`Case` through
 :func:`search.__main__.status` (what ``python -m search`` runs, without leaving the process), in the
-case's working directory and environment, with stdout and stderr captured, and returns one
+case's working directory (first on ``sys.path``, as ``python -m`` puts it) and environment, with stdout and stderr captured, and returns one
 :class:`Result` per case. A case with ``ends_process=True`` must be the last: it runs uncaptured
 (it leaves through ``os._exit``, as a second Ctrl-C does) and its result is the process's. A case
 whose arguments are ``["<printed>"]`` runs the command the case before printed after
@@ -76,6 +76,7 @@ def _worker(tmp: Path) -> None:
                 else:
                     os.environ[k] = v
             os.chdir(case.cwd)
+            sys.path.insert(0, case.cwd)  # as `python -m` puts the working directory first
             if case.ends_process:
                 results.flush()
                 status(["search", *case.args])
@@ -86,6 +87,7 @@ def _worker(tmp: Path) -> None:
             last = err.getvalue()
             results.write(json.dumps(asdict(Result(code, out.getvalue(), last))) + "\n")
             results.flush()
+            sys.path.remove(case.cwd)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

@@ -48,6 +48,18 @@ def readme_example() -> tuple[list[list[str]], list[list[str]]]:
     return commands, outputs
 
 
+# the lines a run ends with, as patterns: the README's example and a run here differ only in the numbers
+FORMS = (r"best arch: \{.*\}", r"val accuracy: \d\.\d{4} \(params \d+, flops \d+\)", r"output dir: \S+",
+         r'  "params_digest": "[0-9a-f]{64}",')
+
+
+def same_form(lines: list[str], readme: list[str]) -> bool:
+    """Whether ``lines`` and the README's ``readme`` match the same :data:`FORMS`, line by line."""
+    def form(line: str) -> str | None:
+        return next((f for f in FORMS if re.fullmatch(f, line)), None)
+    return len(lines) == len(readme) and all(form(a) is not None and form(a) == form(b) for a, b in zip(lines, readme))
+
+
 def shown(stdout: str) -> list[str]:
     """What a run prints, without Hydra's log lines (``[2026-...][search.app][INFO] - ...``)."""
     return [line for line in stdout.splitlines() if not re.match(r"\[\d{4}-\d\d-\d\d ", line)]
@@ -248,9 +260,12 @@ def test_the_readme_example_in_one_process(cli: tuple[Path, dict[str, Result]]) 
     summary = json.loads((out / "summary.json").read_text())
     assert printed[0] == f"best arch: {json.dumps(summary['best']['arch'], sort_keys=True)}"
     assert (out / "search.log").exists() and (out / ".hydra" / "config.yaml").exists() and (out / "trace.json").exists()
-    if not UPDATE:  # the torchrun test rewrites the block
-        assert printed == ONE_OUT
-        assert f'  "params_digest": "{summary["params_digest"]}",' == GREP_OUT[1]
+    assert printed[1] == f"val accuracy: {summary['best']['val_accuracy']:.4f} (params {summary['best']['params']}, " \
+                         f"flops {summary['best']['flops']})"
+    # the README's figures come from one machine; float kernels differ between CPUs, so what
+    # must hold anywhere is the lines' form (the numbers: torchrun against one process, below)
+    assert same_form(printed, ONE_OUT) and printed[-1] == ONE_OUT[-1]
+    assert same_form([f'  "params_digest": "{summary["params_digest"]}",'], GREP_OUT[1:])
 
 
 @pytest.mark.dist
@@ -301,8 +316,10 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
                        (["grep", "-h", "params_digest", f"{m.group(2)}/summary.json", f"{one_dir}/summary.json"],
                         [digest_line] * 2)])
     (_, _, grep_cmd), (torchrun_out, _, grep_out) = readme_example()
-    assert shown(again.stdout) == torchrun_out
-    assert grep_out == [digest_line] * 2 and grep_cmd[3] == f"{m.group(2)}/summary.json"
+    # the same arch and accuracy as one process on this machine, printed as the README shows
+    assert shown(again.stdout)[:2] == shown(results["readme"].stdout)[:2]
+    assert same_form(shown(again.stdout), torchrun_out) and shown(again.stdout)[-1] == torchrun_out[-1]
+    assert same_form([digest_line] * 2, grep_out) and grep_cmd[3] == f"{m.group(2)}/summary.json"
     spans = spans_from_chrome(json.loads((run_dir / "trace.json").read_text()))  # every rank's, on one file
     assert {s.rank for s in spans} == {0, 1}
     check_trace(spans)
