@@ -149,7 +149,7 @@ class CrossExecutor:
         losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
                   for _ in seg.steps]
         values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
-        policies = [activation_policy(p.activations[me] if p.activations else None) for p in seg.plans]
+        policies = [activation_policy(p.stage_activations(me)) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
         for a in sch.actions[me]:

@@ -9,7 +9,7 @@ same arguments, in the same order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from supernet import Arch, SupernetGraph, build_op
+from supernet import Arch, Slice, SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
 from supernet.activations import ActivationPolicy
 
 if TYPE_CHECKING:
@@ -168,6 +168,28 @@ def graph_has_batchnorm(graph: SupernetGraph) -> bool:
             if any(isinstance(m, _BatchNorm) for m in build_op(slot.spec, slot.op_id, 0).modules()):
                 return True
     return False
+
+
+def calibrate(sl: Slice, module: Callable[[str], nn.Module], seed: int,
+              calib: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One train-mode forward of ``sl`` per calibration batch, with the evaluation's op contexts
+    (step -1): inside :func:`recalibrated_bn`, the subnet's batch-norm statistics as the search
+    scores it (the engines and ``search.export`` alike)."""
+    for mb, (xc, _) in enumerate(calib):
+        SliceRun(sl, module, op_contexts(seed, -1, mb, True)).forward([xc], grad=False)
+
+
+@torch.no_grad()
+def score_batches(forward: Callable[[int, torch.Tensor], torch.Tensor],
+                  batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> EvalResult:
+    """Loss (mean per sample) and accuracy of ``forward(index, x) -> logits`` over ``batches``."""
+    loss_sum, correct, total = 0.0, 0, 0
+    for mb, (xv, yv) in enumerate(batches):
+        out = forward(mb, xv)
+        loss_sum += classification_loss(out, yv, 1).item()
+        correct += int((out.argmax(-1) == yv).sum())
+        total += int(yv.shape[0])
+    return EvalResult(loss_sum / max(total, 1), correct, total)
 
 
 @contextmanager

@@ -8,9 +8,10 @@ made when needed, and the result is the same either way.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,9 +20,10 @@ import torch
 from supernet import Arch, Slice, SupernetGraph, build_op, cut
 
 from .memory.sizing import MemoryModel, arena_error, check_fits
+from .plan.activations import ActivationError
 from .plan.admission import SubnetWork, in_flight_bound
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
-from .plan.partition import Partition, PartitionError, stage_work
+from .plan.partition import Partition, PartitionError, PartitionProblem, stage_work
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
 from .plan.schedule import Schedule, build as build_schedule
@@ -46,6 +48,15 @@ class Plan:
     sample: tuple[tuple[int, ...], torch.dtype] | None = None
     wires: WireSpecs | None = None
     work: SubnetWork | None = None  # the estimated per-stage times and op uses a cross-subnet schedule is built from
+    # why no activation plan fits memory.activation_budget_bytes: raised only when the subnet is
+    # trained (an evaluation keeps no activations, so a subnet the search scores never needs one)
+    activation_error: str | None = None
+
+    def stage_activations(self, stage: int) -> Mapping[str, str] | None:
+        """Stage ``stage``'s activation choice per op for training (None: every op keeps them)."""
+        if self.activation_error is not None:
+            raise ActivationError(self.activation_error)
+        return self.activations[stage] if self.activations else None
 
     @property
     def active(self) -> list:
@@ -120,6 +131,16 @@ class LookaheadPlanner:
             hit = _remember(self._memo, key, self._solve(arch, owners, before))
         return self.with_wires(hit)
 
+    def problem(self, arch: Arch) -> PartitionProblem:
+        """The partition problem of ``arch``'s active ops: the costs, schedule, link and memory
+        model every plan of it is made with (pure)."""
+        s, mm = self.settings, self.memory
+        arena = mm is not None and mm.arena_bytes is not None
+        return subnet_problem(self.graph, self.graph.active_ops(arch), self.costs, self.num_stages, self.microbatches,
+                              self.schedule, s.link_bandwidth, s.link_latency_s,
+                              mm.budgets() if arena else s.budgets(self.num_stages), mm.managed if arena else None,
+                              self.in_flight)
+
     def _solve(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
         s = self.settings
         active = self.graph.active_ops(arch)
@@ -128,10 +149,7 @@ class LookaheadPlanner:
                 if before is not None and self.can_move_early else None)
         mm = self.memory
         arena = mm is not None and mm.arena_bytes is not None
-        problem = subnet_problem(self.graph, active, self.costs, self.num_stages, self.microbatches, self.schedule,
-                                 s.link_bandwidth, s.link_latency_s,
-                                 mm.budgets() if arena else s.budgets(self.num_stages), mm.managed if arena else None,
-                                 self.in_flight)
+        problem = self.problem(arch)
         try:
             part = self.planner.plan(problem, previous, busy)
         except PartitionError as e:
@@ -141,10 +159,15 @@ class LookaheadPlanner:
                                              f"fits; the closest") from None
         if arena:
             check_fits(mm, part, f"the {s.planner} planner's split of subnet {arch.to_json()}")
-        acts = mm.activation_choices(problem, part.bounds) if mm is not None else None
+        acts, refused = None, None
+        try:
+            acts = mm.activation_choices(problem, part.bounds) if mm is not None else None
+        except ActivationError as e:
+            refused = str(e)
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         slices = cut(active, part.bounds, self.graph.output)
-        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts, work=self._work(problem, part, slices))
+        return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts, work=self._work(problem, part, slices),
+                    activation_error=refused)
 
     def _work(self, problem, part: Partition, slices: Sequence[Slice]) -> SubnetWork:
         """What a cross-subnet schedule needs of this plan: each stage's ops with state and the
@@ -172,8 +195,7 @@ class LookaheadPlanner:
             shape, dtype = self.sample
             wires = wire_specs(plan.slices, self._meta, shape, dtype, self.seed) if self.num_stages > 1 else None
             _remember(self._wires, key, wires)
-        return Plan(plan.arch, plan.partition, plan.slices, plan.digest, plan.activations, self.sample, wires,
-                    plan.work)
+        return dataclasses.replace(plan, sample=self.sample, wires=wires)
 
     def key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
         return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
@@ -228,15 +250,21 @@ class LookaheadPlanner:
             archs, before = archs[1:], nxt.arch
 
         def chain() -> None:
-            prior = before
-            for arch in archs:
-                key = self.key(arch, owners, prior)
-                plan = self.plan_with(arch, owners, prior)
+            for key, plan in self.chain(archs, owners, before):
                 self._ahead[key] = plan
-                owners.update(self.placed(plan))
-                prior = arch
 
         self._job = self._pool.submit(chain)
+
+    def chain(self, archs: Sequence[Arch], owners: dict[str, int], prior: Arch | None) -> Iterator[tuple[tuple, Plan]]:
+        """The plans of ``archs`` in training order, with their keys: each made where the plan
+        before leaves the ops (``owners``, updated in place) after the subnet before (``prior``),
+        as the engine trains them one after another (pure; memoised)."""
+        for arch in archs:
+            key = self.key(arch, owners, prior)
+            plan = self.plan_with(arch, owners, prior)
+            yield key, plan
+            owners.update(self.placed(plan))
+            prior = arch
 
     def join(self) -> None:
         if self._job is not None:

@@ -21,16 +21,25 @@ import torch
 from supernet import Arch, SliceRun, SupernetGraph, classification_loss, op_contexts
 from supernet.execute import whole_slice
 
-from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, graph_has_batchnorm, step_by_step,
-                     recalibrated_bn, split_batch, update)
+from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, calibrate, graph_has_batchnorm,
+                     recalibrated_bn, score_batches, split_batch, step_by_step, update)
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
-from .memory.errors import budget_error
+from .memory.sizing import check_largest_subnet
 from .plan.costs import CostTable, analytic_costs, subnet_problem
-from .plan.schedule import one_f_one_b
+from .plan.partition import PartitionProblem
+from .plan.schedule import Schedule, one_f_one_b
 from .shared import SharedOps, shared_ops_of
 from .trace import Span, Tracer
 
-__all__ = ["ReferenceEngine"]
+__all__ = ["ReferenceEngine", "activation_problem"]
+
+
+def activation_problem(graph: SupernetGraph, arch: Arch, costs: CostTable, microbatches: int,
+                       schedule: Schedule | None = None) -> PartitionProblem:
+    """What one process plans ``arch``'s activations on (``memory.activations``): one stage of
+    all its active ops, one micro-batch in flight (``schedule``: 1F1B over one stage)."""
+    schedule = schedule if schedule is not None else one_f_one_b(1, microbatches)
+    return subnet_problem(graph, graph.active_ops(arch), costs, 1, microbatches, schedule, 1.0, 0.0)
 
 
 class ReferenceEngine:
@@ -69,9 +78,8 @@ class ReferenceEngine:
 
     def _check_budget(self) -> None:
         """The largest subnet (the biggest candidate of every slot, and the fixed ops) must fit."""
-        need, budget = self.tensors.largest_subnet_footprint(), self.tensors.stats().budget_bytes
-        if need > budget:
-            raise budget_error(f"the largest subnet of {self.graph.name!r}", need, budget)
+        check_largest_subnet(self.graph, self.tensors.footprints(s.op_id for s in self.graph.slots()),
+                             self.tensors.stats().budget_bytes)
 
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
         """Remember the next subnets' ops: the next ``train_step`` hands them to the tensor
@@ -118,8 +126,7 @@ class ReferenceEngine:
             if self._costs is None:
                 self._costs = analytic_costs(self.graph, tuple(x.shape[1:]), x.shape[0] // self.microbatches,
                                              self.tensors.optim.name)
-            problem = subnet_problem(self.graph, self.graph.active_ops(arch), self._costs, 1, self.microbatches,
-                                     self._schedule, 1.0, 0.0)
+            problem = activation_problem(self.graph, arch, self._costs, self.microbatches, self._schedule)
             if len(self._choices) >= 256:
                 self._choices.clear()
             self._choices[arch] = self._model.activation_choices(problem, (0, problem.num_ops))[0]
@@ -140,16 +147,10 @@ class ReferenceEngine:
         modules = [self.tensors.module(op.op_id) for op in sl.ops]
         calib = list(calib_batches) if graph_has_batchnorm(self.graph) else []
         with recalibrated_bn(modules if calib else []):
-            for mb, (xc, _) in enumerate(calib):
-                SliceRun(sl, self.tensors.module, op_contexts(self.seed, -1, mb, True)).forward([xc.to(self.device)], grad=False)
-            loss_sum, correct, total = 0.0, 0, 0
-            for mb, (xv, yv) in enumerate(batches):
-                xv, yv = xv.to(self.device), yv.to(self.device)
-                (out,) = SliceRun(sl, self.tensors.module, op_contexts(self.seed, -1, mb, False)).forward([xv], grad=False)
-                loss_sum += classification_loss(out, yv, 1).item()
-                correct += int((out.argmax(-1) == yv).sum())
-                total += int(yv.shape[0])
-        return EvalResult(loss_sum / max(total, 1), correct, total)
+            calibrate(sl, self.tensors.module, self.seed, [(xc.to(self.device), y) for xc, y in calib])
+            return score_batches(lambda mb, x: SliceRun(sl, self.tensors.module, op_contexts(self.seed, -1, mb, False))
+                                 .forward([x], grad=False)[0],
+                                 [(xv.to(self.device), yv.to(self.device)) for xv, yv in batches])
 
     def op_states(self) -> dict[str, dict[str, torch.Tensor]]:
         return {op_id: self.tensors.export(op_id, release=False) for op_id in self.tensors.owned()}

@@ -276,7 +276,7 @@ class PipelineEngine:
             self.stats.early_migrated_ops = early
             self._prepare_next(plan)
         mine = plan.slices[self.stage_index]
-        policy = activation_policy(plan.activations[self.stage_index] if plan.activations else None)
+        policy = activation_policy(plan.stage_activations(self.stage_index))
         module = self.tensors.module if self.reducer is None else self.reducer.watching(self.tensors.module)
         with self.reducer.recorded() if self.reducer is not None else nullcontext():
             losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, module, policy)

@@ -2,7 +2,8 @@
 
 Exit status, with or without torchrun and ``HYDRA_FULL_ERROR``:
 
-* 0: trained, searched, printed the best arch;
+* 0: trained, searched, printed the best arch (``search=none``: trained, printed the fixed sampler's
+  arch and its validation accuracy, or with another sampler the steps trained);
 * 2: bad input or an unusable environment (a field, a preset's YAML, a run directory that cannot
   be written, a checkpoint that cannot be read or belongs to other settings): one line on stderr,
   ``error: <field or file>: expected ..., found ...``, and nothing written, not even the run
@@ -200,11 +201,19 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(report(e, _session.get("full_error", False))) from None
     if _is_rank0():
         best = summary["best"]
+        searched = summary["search"]["algorithm"] != "none"
+        if not searched and summary["trained_arch"] is None:  # search=none, a sampler of many archs
+            loss = summary["final_loss"]
+            print(f"trained: {summary['steps']} steps, sampler {summary['sampler']['name']}, final loss "
+                  f"{'not finite' if loss is None else f'{loss:.4f}'}; no search ran (search=none)")
+            print(f"output dir: {summary['output_dir']}")
+            return
         if best is None:
-            print(f"error: no architecture evaluated to a finite validation loss (non-finite steps skipped: "
+            which = "no architecture evaluated" if searched else "the trained arch did not evaluate"
+            print(f"error: {which} to a finite validation loss (non-finite steps skipped: "
                   f"{summary['nonfinite_steps_skipped']}); see {summary['output_dir']}", file=sys.stderr)
             raise SystemExit(1)
-        print(f"best arch: {json.dumps(best['arch'], sort_keys=True)}")
+        print(f"{'best' if searched else 'trained'} arch: {json.dumps(best['arch'], sort_keys=True)}")
         print(f"val accuracy: {best['val_accuracy']:.4f} (params {best['params']}, flops {best['flops']})")
         print(f"output dir: {summary['output_dir']}")
 
@@ -218,6 +227,13 @@ def _run(argv: list[str]) -> int:
     full = os.environ.get("HYDRA_FULL_ERROR") == "1"
     _session.update(full_error=full)
     if any(a.startswith("-") for a in overrides):  # --help, --cfg, --multirun, ...: Hydra's own business
+        if set(overrides) & {"-m", "--multirun"}:  # but every job of a sweep is checked first, as one run is
+            try:
+                _check_sweep([a for a in overrides if not a.startswith("-")])
+            except ValueError as e:
+                if _is_rank0():
+                    print(f"error: {_one_line(str(e))}", file=sys.stderr)
+                return 2
         sys.argv = argv
         main()
         return 0
@@ -259,6 +275,29 @@ def _run(argv: list[str]) -> int:
         return report(e, full)
     finally:
         interrupts.uninstall()
+
+
+def _check_sweep(overrides: Sequence[str]) -> None:
+    """Every job of a Hydra sweep (``-m a=1,2 b=x,y``: the cartesian product, as Hydra's basic
+    sweeper makes it) checked as one run is, before Hydra writes the sweep directory: the first
+    bad job's one line, naming the job (:class:`BadInput` or the config's own error)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .app import prepare
+
+    try:
+        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(list(overrides)), None)
+    except Exception as e:  # noqa: BLE001 - Hydra's parse errors: one line, as for one run
+        raise BadInput(" ".join(str(e).split()) or type(e).__name__) from None
+    for num, job in enumerate(jobs):
+        cfg = compose_config(job)
+        sweep_dir = Path(str(OmegaConf.select(cfg, "hydra.sweep.dir")))
+        try:
+            prepare(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), sweep_dir / str(num),
+                    output_field="hydra.sweep.dir")
+        except ValueError as e:
+            raise type(e)(f"{e} (sweep job {num}: {' '.join(job)})") from None
 
 
 def _setup_failure(e: Exception, run_dir: Path) -> Exception:

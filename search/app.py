@@ -6,9 +6,23 @@ same order (training, gathering op states, evaluating candidates), and only the 
 writes. Everything that can be wrong with the input is checked by :func:`prepare` before
 anything is written (the CLI calls it before Hydra creates the run directory).
 
-Outputs, in the run directory: ``metrics.jsonl`` (one JSON line per training step),
-``checkpoint.pt`` (see :mod:`search.checkpoint`; a run that finds one there resumes from it)
-and ``summary.json``.
+Outputs, in the run directory: ``metrics.jsonl`` (one JSON line per training step; ``metrics.csv``
+the same rows, ``tb/`` TensorBoard scalars: :mod:`search.metrics`),
+``checkpoint.pt`` (see :mod:`search.checkpoint`; a run that finds one there resumes from it),
+``search-<algorithm>.jsonl`` (every arch scored) and ``summary.json``. The summary's top-level
+keys (``best``, ``top_k``, ``search``, ``params_digest``, ...) are the run just made; its
+``searches`` maps each algorithm that searched these weights in this directory to its ``best``,
+``top_k``, ``evaluated``, ``best_per_generation`` and ``search_time_s``: a finished run run again
+with ``search=random`` (it resumes and only searches) adds the baseline beside evolution's result.
+
+``search=none`` trains and checkpoints only. With the fixed sampler (``sampler=fixed
+sampler.arch={...}``) that arch is scored once, as the search scores a candidate (inherited
+weights, batch norm recalibrated): it is ``best``, ``top_k`` and ``trained_arch``; with another
+sampler nothing is scored, ``best`` is null and ``search.note`` says no search ran.
+
+Progress: on the main rank's terminal, tqdm bars; off a terminal (a log file, a pipe) training
+logs every ``train.log_every`` steps and the search logs archs scored of the total, the best
+accuracy so far and archs/s at most every :data:`PROGRESS_EVERY_S` seconds, and after the last.
 
 With ``interrupts`` (:class:`search.interrupt.Interrupts`), a SIGINT/SIGTERM stops training after
 the step (all ranks after the same one), writes a checkpoint and raises
@@ -47,13 +61,13 @@ from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_wr
                          resume_checkpoint, save_checkpoint)
 from .config import (ConfigError, RunConfig, build_data, build_space, config_digest, field_differences, load_config,
                      train_fields, train_digest)
-from .evolution import SearchResult, SubnetCost, evolution_search, random_search
+from .evolution import Candidate, SearchResult, SubnetCost, evolution_search, random_search
 from .interrupt import Interrupted, Interrupts
-from .samplers import Sampler, make_sampler
+from .metrics import MEMORY_FIELDS, METRICS_NAME, MetricsWriter, Monitor, reference_archs
+from .samplers import FixedSampler, Sampler, make_sampler
 
 __all__ = ["run", "prepare", "Prepared", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
 
-METRICS_NAME = "metrics.jsonl"
 SUMMARY_NAME = "summary.json"
 TRACE_NAME = "trace.json"
 
@@ -103,7 +117,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     if output_dir is None and rc.output_dir is not None:
         output_dir = rc.output_dir
     out = _output_dir(output_dir)
-    _check_writable(out, output_field if output_dir is not None else "hydra.run.dir")
+    check_writable(out, output_field if output_dir is not None else "hydra.run.dir")
     data = build_data(rc.data)
     data.train_batch(0, rc.train.batch_size)  # checks the batch size against the data
     graph = build_space(rc.space, data.input_shape, data.num_classes)
@@ -119,12 +133,22 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
         raise ConfigError(str(e)) from None
     cost = SubnetCost(graph, data.input_shape, rc.seed)
     rc.search.constraints.check_feasible(space, cost)  # bounds no arch meets fail before training
+    reference_archs(space, cost, rc.train.monitor_archs)  # checks train.monitor_archs
     fields = train_fields(cfg)
     tdigest = train_digest(cfg)
     notes: list[str] = []
     ckpt, ckpt_file = resume_checkpoint(out / CHECKPOINT_NAME, notes.append) if rc.resume else (None, None)
     if ckpt is not None:
         _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
+    from pipeline.feasibility import check_memory, engine_device
+
+    try:  # budgets the engine would stop on, from the subnets this run trains (steps from the checkpoint on)
+        check_memory(graph, rc.seed, rc.train.optimizer, rc.memory, engine_device(rc.device), data.input_shape,
+                     rc.train.batch_size, rc.train.microbatches, _sampler(rc, space).next, rc.train.steps,
+                     ckpt.step if ckpt is not None else 0, rc.pipeline if env is not None else None, layout.stages,
+                     layout.replicas)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return Prepared(rc, out, config_digest(cfg), fields, tdigest, data, graph, seed_archs, cost, ckpt, ckpt_file,
                     layout, tuple(notes))
 
@@ -143,6 +167,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     data, graph, cost = p.data, p.graph, p.cost
     space = graph.space()
     sampler = _sampler(rc, space)
+    trained = sampler.arch if isinstance(sampler, FixedSampler) else None  # the one arch trained, if one
     ckpt_path = out / CHECKPOINT_NAME
     interrupts = interrupts if interrupts is not None else Interrupts()  # not installed: never set
     faults = parse_fault(os.environ.get("PIPENAS_FAULT"))
@@ -168,7 +193,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                 sampler.load_state_dict(ckpt.sampler)
                 start = ckpt.step
                 rlog.info("resuming from %s at step %d", ckpt_file, start)
-            losses = _open_metrics(out / METRICS_NAME, start) if engine.is_main else []
+            losses: list[float] = []  # the main rank's: metrics.jsonl's kept on a resume, then this run's
             t0 = time.perf_counter()
             # after a fall-back to the previous checkpoint the unreadable latest is replaced, not kept
             states = _train(rc, engine, sampler, data, out, start, losses, p, rlog,
@@ -180,9 +205,10 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
 
             t0 = time.perf_counter()
             result, evals = _search(rc, engine, space, data, cost, p.seed_archs,
-                                    _Stop(interrupts, vote, faults, engine.rank), ckpt_path)
+                                    _Stop(interrupts, vote, faults, engine.rank), ckpt_path, trained=trained,
+                                    rlog=rlog)
             search_s = time.perf_counter() - t0
-            if engine.is_main:
+            if engine.is_main and rc.search.algorithm != "none":
                 _write_search_log(out / f"search-{rc.search.algorithm}.jsonl", rc, evals, cost)
         except BaseException:
             try:
@@ -195,6 +221,10 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     top = [_entry(c.arch, evals[c.arch], cost) for c in result.top]
     # An arch whose evaluation is not finite scored -inf (ranked last); it is never the best.
     best = next((t for t in top if not t["nonfinite"]), None)
+    digest = params_digest(states) if states is not None else None
+    searched = rc.search.algorithm != "none"
+    section = {"best": best, "top_k": top, "evaluated": result.evaluated, "best_per_generation": list(result.history),
+               "search_time_s": round(search_s, 3)} if searched else None
     summary: dict[str, Any] = {
         "config_digest": p.config_digest,
         "steps": rc.train.steps,
@@ -206,8 +236,13 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         "best": best,
         "top_k": top,
         "search": {"algorithm": rc.search.algorithm, "evaluated": result.evaluated,
-                   "best_per_generation": list(result.history)},
-        "params_digest": params_digest(states) if states is not None else None,
+                   "best_per_generation": list(result.history),
+                   **({} if searched else {"note": _NO_SEARCH[trained is not None]})},
+        # every search of these weights run in this directory, by algorithm (this run's and those before)
+        "searches": _searches(out / SUMMARY_NAME if engine.is_main else None, digest, rc.search.algorithm, section,
+                              rlog),
+        "trained_arch": dict(trained) if trained is not None else None,  # the fixed sampler's; else null
+        "params_digest": digest,
         "world_size": engine.world_size,
         # the order subnets were trained in (the same subnets per fair round or block with locality)
         "sampler": {"name": rc.sampler.name, "order": sampler.order, "block": sampler.block},
@@ -225,11 +260,14 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     }
     if engine.is_main:
         atomic_write_text(out / SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")
-        if best is None:
+        if not searched and trained is None:
+            rlog.info("trained %d steps; no search ran (search=none)", rc.train.steps)
+        elif best is None:
             rlog.error("no architecture evaluated to a finite validation loss; the supernet's weights are "
                        "not finite (see nonfinite_steps_skipped in %s)", out / SUMMARY_NAME)
         else:
-            rlog.info("best arch %s: val accuracy %.4f", best["arch"], best["val_accuracy"])
+            rlog.info("%s %s: val accuracy %.4f", "best arch" if searched else "trained arch", best["arch"],
+                      best["val_accuracy"])
     return summary
 
 
@@ -254,7 +292,7 @@ def _output_dir(explicit: str | Path | None) -> Path:
         ) from None
 
 
-def _check_writable(out: Path, field: str) -> None:
+def check_writable(out: Path, field: str) -> None:
     """The run directory can be made and written (nothing is created here)."""
     existing = out
     while not existing.exists() and existing != existing.parent:
@@ -283,24 +321,6 @@ def _check_resumable(ckpt: Checkpoint, path: Path, tdigest: str, fields: Mapping
         raise CheckpointError(f"checkpoint {path}: expected a step in [0, {rc.train.steps}], found {ckpt.step}")
 
 
-def _open_metrics(path: Path, start: int) -> list[float]:
-    """Keep the metric lines of steps before ``start`` (a run that died after its last
-    checkpoint logged steps that will run again) and return their losses."""
-    kept: list[str] = []
-    losses: list[float] = []
-    if start > 0 and path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < start:
-                kept.append(line)
-                losses.append(float("nan") if rec.get("loss") is None else float(rec["loss"]))
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
-    return losses
-
-
 @dataclass(frozen=True)
 class _Stop:
     """Between units of work (a training step, an arch scored): the faults injected there, and
@@ -327,10 +347,16 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
     """Train from step ``start``; checkpoints on the way and at the end. Returns the final op
     states (main rank; ``None`` elsewhere). ``keep_previous=False``: the latest checkpoint is
     unreadable, so the first save replaces it instead of keeping it as the previous one.
-    ``stop``: a signal ends training after the step with a checkpoint and :class:`Interrupted`."""
+    ``stop``: a signal ends training after the step with a checkpoint and :class:`Interrupted`.
+    Every ``train.monitor_every`` steps (at the end of the segment that reaches them, with
+    cross-subnet windows) every rank scores the reference subnets (:class:`search.metrics.Monitor`);
+    the main rank adds their accuracy to that step's metrics and logs a line."""
     t = rc.train
     schedule = t.schedule()
     last_saved = start
+    monitor = Monitor(reference_archs(p.graph.space(), p.cost, t.monitor_archs), t.monitor_every,
+                      data.val_batches(rc.search.val_batch_size),
+                      data.calib_batches(rc.search.bn_calib_batches, rc.search.calib_batch_size), t.monitor_samples)
 
     def checkpoint(step: int) -> Any:
         nonlocal keep_previous, last_saved
@@ -345,21 +371,21 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
     skipped = 0
     segment = max(32, 4 * rc.pipeline.window) if rc.pipeline.cross else 1
 
-    def _record(step: int, arch: Any, res: Any) -> None:
-        """One step's metrics line, progress, log line and non-finite handling."""
+    def _record(step: int, arch: Any, res: Any, hold: bool = False) -> None:
+        """One step's metrics record (``hold``: kept back for the monitor's columns), progress,
+        log line and non-finite handling."""
         nonlocal skipped
         # Every rank that has the micro-batch losses decides alike (the main rank always has them).
         bad = next((m for m, v in enumerate(res.microbatch_losses) if not math.isfinite(v)), None)
         if engine.is_main:
             losses.append(res.loss)
-            metrics.write(json.dumps({
+            metrics.step({
                 "step": step, "arch": dict(arch), "loss": _finite(res.loss), "lr": schedule(step),
                 "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
                 "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
                 "migration_s": res.migration_s, **_memory_fields(res.memory),
                 **({"nonfinite": t.nonfinite} if bad is not None else {}),
-            }) + "\n")
-            metrics.flush()
+            }, hold=hold)
             bar.update(1)
             bar.set_postfix(loss=f"{res.loss:.3f}", refresh=False)
         if bad is not None:
@@ -379,9 +405,20 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
                 rlog.info("step %d/%d: loss %.4f (mean of last %d), lr %.4g", step + 1, t.steps,
                           sum(recent) / len(recent), len(recent), schedule(step))
 
+    def _monitor(trained: int) -> None:
+        scores = monitor.evaluate(engine)  # collective: every rank, after the same step
+        if engine.is_main:
+            metrics.monitored(scores)
+            named = {k.removeprefix("monitor/"): v for k, v in scores.items() if k.startswith("monitor/")}
+            rlog.info("step %d/%d: val accuracy of the reference subnets: %s (%.2f s)", trained, t.steps,
+                      ", ".join(f"{n} {v:.4f}" if v is not None else f"{n} not finite" for n, v in named.items()),
+                      scores["monitor_s"])
+
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
-    metrics = (out / METRICS_NAME).open("a") if engine.is_main else None
+    metrics = MetricsWriter(out, start, monitor.columns, t.tensorboard) if engine.is_main else None
+    if metrics is not None:
+        losses.extend(metrics.losses)
     try:
         step = start
         while step < t.steps:
@@ -396,9 +433,12 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
                 x, y = data.train_batch(k, t.batch_size)
                 items.append((k, sampler.next(), x, y))
             upcoming = sampler.peek(min(max(PLAN_AHEAD, segment), t.steps - end))  # planned while these run
+            due = monitor.due(step, end)  # the last step's record waits for the reference subnets' scores
             for (k, arch, _, _), res in zip(items, engine.train_steps(items, upcoming)):
-                _record(k, arch, res)
+                _record(k, arch, res, hold=due and k == end - 1)
             step = end
+            if due:
+                _monitor(step)
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.steps:
                 checkpoint(step)
             if stop.after(step - 1, "step"):  # a signal: after the step (segment) in flight, with a checkpoint
@@ -417,30 +457,42 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
 
 
 def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: SubnetCost,
-            seed_archs: list[Arch], stop: _Stop | None = None,
-            checkpoint: Path | None = None) -> tuple[SearchResult, dict[Arch, EvalResult]]:
+            seed_archs: list[Arch], stop: _Stop | None = None, checkpoint: Path | None = None, *,
+            trained: Arch | None = None,
+            rlog: logging.LoggerAdapter | None = None) -> tuple[SearchResult, dict[Arch, EvalResult]]:
     """Score subnets with inherited weights (BN recalibrated per subnet) by evolution or at
     random. Every rank runs this identically: the engine returns the same scores everywhere.
     ``stop``: a signal ends the search after the arch being scored, with :class:`Interrupted`
-    (training is complete: ``checkpoint`` holds it)."""
+    (training is complete: ``checkpoint`` holds it). ``search=none`` scores only ``trained`` (the
+    fixed sampler's arch), or nothing. Progress: a bar on the main rank's terminal, else log lines
+    there (:class:`_Progress`)."""
     s = rc.search
+    total = s.budget if s.algorithm != "none" else int(trained is not None)
+    evals: dict[Arch, EvalResult] = {}
+    if total == 0:  # search=none and no fixed arch: nothing to score
+        return SearchResult((), 0), evals
     val = data.val_batches(s.val_batch_size)
     calib = data.calib_batches(s.bn_calib_batches, s.calib_batch_size)
-    evals: dict[Arch, EvalResult] = {}
-    bar = tqdm(total=s.budget, desc=f"search ({s.algorithm})", unit="arch", file=sys.stderr,
+    what = f"search ({s.algorithm})" if s.algorithm != "none" else "scoring the trained arch"
+    bar = tqdm(total=total, desc=what, unit="arch", file=sys.stderr,
                disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
+    progress = (_Progress(what, total, rlog or _RankLog(log, {"rank": engine.rank}))
+                if engine.is_main and bar.disable and s.algorithm != "none" else None)  # one arch: run() logs it
 
     def scorer(arch: Arch) -> float:
         if stop is not None:
             stop.before(len(evals), "evaluate")
         evals[arch] = ev = engine.evaluate(arch, val, calib)
+        # not finite (NaN logits still have an argmax): ranked last, never the best
+        score = ev.accuracy if math.isfinite(ev.loss) else -math.inf
         bar.update(1)
+        if progress is not None:
+            progress.update(score)
         if stop is not None and stop.after(len(evals) - 1, "evaluate"):
-            raise Interrupted(f"{stop.interrupts.name}: stopped the search after {len(evals)} of {s.budget} archs; "
+            raise Interrupted(f"{stop.interrupts.name}: stopped the search after {len(evals)} of {total} archs; "
                               f"training is complete: checkpoint {checkpoint} (step {rc.train.steps})",
                               stop.interrupts.signum or 0, checkpoint, rc.train.steps)
-        # not finite (NaN logits still have an argmax): ranked last, never the best
-        return ev.accuracy if math.isfinite(ev.loss) else -math.inf
+        return score
 
     # search.seed varies the search alone: the trained supernet (checkpoint) stays the same
     rng = random.Random(derive_seed(rc.seed if s.seed is None else s.seed, "search"))
@@ -451,11 +503,91 @@ def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: 
             result = evolution_search(space, scorer, rng, population=s.population, generations=s.generations,
                                       mutate_prob=s.mutate_prob, crossover_prob=s.crossover_prob,
                                       parents=s.parents, **common)
-        else:
+        elif s.algorithm == "random":
             result = random_search(space, scorer, rng, budget=s.budget, **common)
+        else:  # none, with the fixed sampler's arch: scored exactly as a search scores a candidate
+            result = SearchResult((Candidate(trained, scorer(trained)),), 1)
     finally:
         bar.close()
+    if progress is not None:
+        progress.finish()
     return result, evals
+
+
+PROGRESS_EVERY_S = 5.0  # off a terminal: at most one search progress line per this many seconds, then the last
+
+
+class _Progress:
+    """Search progress as log lines, where no bar can show (the main rank off a terminal: a log
+    file, a pipe): archs scored of the total, the best accuracy so far and the rate, at most one
+    line per :data:`PROGRESS_EVERY_S` seconds of ``clock``, and one after the last arch."""
+
+    def __init__(self, what: str, total: int, rlog: logging.LoggerAdapter,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what, self.total, self.rlog, self.clock = what, total, rlog, clock
+        self.start = self.last = clock()
+        self.done = self.logged = 0
+        self.best = -math.inf
+
+    def update(self, score: float) -> None:
+        """One arch scored (``score``: its accuracy, ``-inf`` when not finite)."""
+        self.done += 1
+        self.best = max(self.best, score)
+        if self.clock() - self.last >= PROGRESS_EVERY_S:  # read at each call: tests may change it
+            self._line()
+
+    def finish(self) -> None:
+        """The last line, unless the last arch's line was just written."""
+        if self.done != self.logged:
+            self._line()
+
+    def _line(self) -> None:
+        now = self.clock()
+        elapsed = now - self.start
+        rate = f"{self.done / elapsed:.1f} archs/s" if elapsed > 0 else "- archs/s"
+        best = f"{self.best:.4f}" if math.isfinite(self.best) else "none finite"
+        self.rlog.info("%s: %d/%d archs scored, best val accuracy %s, %s", self.what, self.done, self.total, best,
+                       rate)
+        self.last, self.logged = now, self.done
+
+
+_NO_SEARCH = {  # summary.json's search.note with search=none, by whether the sampler is fixed
+    True: "search=none: no search ran; best and top_k are the fixed sampler's arch (trained_arch), scored once",
+    False: "search=none: no search ran and no arch was scored (best is null); every step's arch is in metrics.jsonl",
+}
+_ALGORITHMS = ("evolution", "random")  # those that search (search.config.ALGORITHMS less none)
+
+
+def _searches(path: Path | None, digest: str | None, algorithm: str, section: dict[str, Any] | None,
+              rlog: logging.LoggerAdapter) -> dict[str, Any]:
+    """summary.json's ``searches``: algorithm -> {best, top_k, evaluated, best_per_generation,
+    search_time_s}. This run's ``section`` (``None``: it did not search) joins those of the summary
+    already at ``path`` (``None``: not the main rank) when that one is of the same weights (equal
+    ``params_digest``: a rerun that only searched), so evolution and its random baseline run in one
+    directory both stay; a summary of other weights (``resume=false``) keeps nothing."""
+    kept: dict[str, Any] = {}
+    old = None
+    if path is not None and path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            rlog.warning("%s: cannot read the summary there (%s); the searches it held are not kept", path, e)
+    if isinstance(old, dict) and digest is not None:
+        previous = old.get("searches")
+        if not isinstance(previous, dict):  # written before summaries kept every search: its one search
+            ran = old.get("search") or {}
+            previous = {ran.get("algorithm"): {
+                "best": old.get("best"), "top_k": old.get("top_k"), "evaluated": ran.get("evaluated"),
+                "best_per_generation": ran.get("best_per_generation"), "search_time_s": old.get("search_time_s"),
+            }}
+        previous = {k: v for k, v in previous.items() if k in _ALGORITHMS and k != algorithm}
+        if old.get("params_digest") == digest:
+            kept.update(previous)
+        elif previous:
+            rlog.info("%s: the searches there (%s) scored other weights; replaced", path, ", ".join(sorted(previous)))
+    if section is not None:
+        kept[algorithm] = section
+    return dict(sorted(kept.items()))
 
 
 def _write_trace(path: Path, engine: Engine, steps: tuple[int, ...], rlog: logging.LoggerAdapter) -> None:
@@ -492,8 +624,7 @@ def _show_bars(engine: Engine) -> bool:
 
 def _memory_fields(m: Any) -> dict[str, Any]:
     """A step's tensor-manager figures for metrics.jsonl (null when the engine reports none)."""
-    keys = ("resident_bytes_peak", "fetched_bytes", "written_back_bytes", "hit_rate", "stall_s")
-    return {k: None if m is None else getattr(m, k) for k in keys}
+    return {k: None if m is None else getattr(m, k) for k in MEMORY_FIELDS}
 
 
 def _memory_totals(engine: Engine) -> dict[str, Any] | None:

@@ -5,7 +5,13 @@ into a :class:`RunConfig` and raises :class:`ConfigError` naming the field, what
 and what was found (``train.microbatches: expected a divisor of train.batch_size (64), found
 3``). The ``space`` and ``data`` groups name a ``_target_`` (any importable callable) and its
 options; :func:`build_space` and :func:`build_data` instantiate them and turn import errors,
-unknown options and bad values into the same one-line errors.
+unknown options and bad values into the same one-line errors. Options arrive as plain values: a
+nested ``_target_`` mapping is passed as a mapping (not built), for the callable to build.
+
+``search.algorithm``: ``evolution``, ``random`` (its baseline at the same budget) or ``none``
+(``conf/search/none.yaml``: train and checkpoint only; the population fields are unused). The
+``fixed`` sampler (``conf/sampler/fixed.yaml``) trains ``sampler.arch`` every step; without one it
+is a one-line error naming ``sampler.arch``.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from supernet import SupernetError, SupernetGraph, build_op
 
 from .data import Dataset
 from .evolution import Constraints
+from .metrics import tensorboard_available
 from .samplers import ORDERS, SAMPLERS, SamplerError, check_order
 
 __all__ = [
@@ -35,7 +42,7 @@ __all__ = [
 
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine")
-ALGORITHMS = ("evolution", "random")
+ALGORITHMS = ("evolution", "random", "none")  # none: train only, no search
 NONFINITE = ("stop", "skip")
 _HYDRA_KEYS = ("_target_", "_args_", "_recursive_", "_convert_", "_partial_")
 
@@ -67,6 +74,11 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     log_every: int = 50
     nonfinite: str = "stop"  # a step whose loss is not finite: stop the run, or skip (no update)
+    # what is recorded while training (search/metrics.py; not in the train digest)
+    tensorboard: str | bool = "auto"  # TensorBoard scalars in <run dir>/tb: auto (when installed) | true | false
+    monitor_every: int = 200  # steps between scorings of the reference subnets; 0: never
+    monitor_archs: tuple[dict[str, Any], ...] | None = None  # null: the smallest, a middle and the largest
+    monitor_samples: int | None = None  # score on the first this many validation samples; null: all (as the search)
 
     def schedule(self) -> LrSchedule:
         return LrSchedule(self.optimizer.lr, self.steps, self.lr_schedule, self.warmup_steps, self.min_lr)
@@ -82,7 +94,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class SearchConfig:
-    algorithm: str
+    algorithm: str  # evolution | random | none (train only: population and generations unused)
     population: int
     generations: int
     mutate_prob: float
@@ -98,8 +110,8 @@ class SearchConfig:
 
     @property
     def budget(self) -> int:
-        """Distinct archs scored: the same for evolution and its random-search baseline."""
-        return self.population * self.generations
+        """Distinct archs scored: the same for evolution and its random-search baseline (0 for none)."""
+        return 0 if self.algorithm == "none" else self.population * self.generations
 
 
 @dataclass(frozen=True)
@@ -259,9 +271,33 @@ def _train(root: _Group) -> TrainConfig:
         lr_schedule=g.choice("lr_schedule", LR_SCHEDULES, "cosine"), warmup_steps=warmup,
         min_lr=g.float("min_lr", 0.0, lo=0.0), checkpoint_every=g.int("checkpoint_every", 0, minimum=0),
         log_every=g.int("log_every", 50, minimum=1), nonfinite=g.choice("nonfinite", NONFINITE, "stop"),
+        tensorboard=_tensorboard(g), monitor_every=g.int("monitor_every", 200, minimum=0),
+        monitor_archs=_monitor_archs(g), monitor_samples=g.int("monitor_samples", None, minimum=1, optional=True),
     )
     g.done()
     return cfg
+
+
+def _tensorboard(g: _Group) -> str | bool:
+    v = g._get("tensorboard", "auto")
+    if v not in ("auto", True, False) or isinstance(v, (int, float)) and not isinstance(v, bool):  # 1 == True
+        raise g.fail("tensorboard", "auto, true or false", v)
+    if v is True and not tensorboard_available():
+        raise ConfigError("train.tensorboard: expected the tensorboard package with true, found it not installed; "
+                          "pip install 'pipenas[tensorboard]' (or tensorboard), or train.tensorboard=auto")
+    return v
+
+
+def _monitor_archs(g: _Group) -> tuple[dict[str, Any], ...] | None:
+    archs = g._get("monitor_archs", None)
+    if archs is None:
+        return None
+    if not isinstance(archs, list) or not archs:
+        raise g.fail("monitor_archs", "a non-empty list of archs (label -> value mappings) or null", archs)
+    for i, a in enumerate(archs):
+        if not isinstance(a, Mapping):
+            raise ConfigError(f"train.monitor_archs[{i}]: expected a mapping label -> value, found {a!r}")
+    return tuple(dict(a) for a in archs)
 
 
 def _search(root: _Group) -> SearchConfig:
@@ -276,9 +312,13 @@ def _search(root: _Group) -> SearchConfig:
     for i, a in enumerate(seed_archs):
         if not isinstance(a, Mapping):
             raise ConfigError(f"search.seed_archs[{i}]: expected a mapping label -> value, found {a!r}")
+    algorithm = g.choice("algorithm", ALGORITHMS)
+    required = _MISSING if algorithm != "none" else None  # search=none: no population to breed
+    population = g.int("population", required, minimum=2, optional=algorithm == "none")
+    generations = g.int("generations", required, minimum=1, optional=algorithm == "none")
     cfg = SearchConfig(
-        algorithm=g.choice("algorithm", ALGORITHMS), population=g.int("population", minimum=2),
-        generations=g.int("generations", minimum=1), mutate_prob=g.float("mutate_prob", 0.1, 0.0, 1.0),
+        algorithm=algorithm, population=population or 0, generations=generations or 0,
+        mutate_prob=g.float("mutate_prob", 0.1, 0.0, 1.0),
         crossover_prob=g.float("crossover_prob", 0.5, 0.0, 1.0),
         parents=g.int("parents", None, minimum=1, optional=True), top_k=g.int("top_k", 5, minimum=1),
         constraints=constraints, val_batch_size=g.int("val_batch_size", 256, minimum=1),
@@ -295,7 +335,11 @@ def _sampler(root: _Group) -> SamplerConfig:
     arch = g._get("arch", None)
     if arch is not None and not isinstance(arch, Mapping):
         raise g.fail("arch", "a mapping label -> value or null", arch)
-    cfg = SamplerConfig(g.choice("name", sorted(SAMPLERS)), None if arch is None else dict(arch),
+    name = g.choice("name", sorted(SAMPLERS))
+    if name == "fixed" and arch is None:
+        raise ConfigError("sampler.arch: expected the arch the fixed sampler trains, a mapping label -> value "
+                          "(e.g. sampler.arch='{layer00: k3e3, layer01: k5e6, ...}'), found null")
+    cfg = SamplerConfig(name, None if arch is None else dict(arch),
                         g.choice("order", ORDERS, "stream"), g.int("block", None, minimum=2, optional=True))
     try:
         check_order(cfg.name, cfg.order, cfg.block)
@@ -410,12 +454,16 @@ def _instantiate(tc: TargetConfig, provided: Mapping[str, Any]) -> Any:
             required = p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
             if required and name not in tc.options and name not in provided:
                 raise ConfigError(f"{tc.group}.{name}: missing; {tc.target} requires it")
-    node = OmegaConf.create({"_target_": tc.target, "_convert_": "all", **tc.options})
+    # not recursive: a nested ``_target_`` mapping reaches the callable as a mapping, so an adapter
+    # (search.torch_data.TorchData) builds its own and its errors name the nested key (data.train.root)
+    node = OmegaConf.create({"_target_": tc.target, "_convert_": "all", "_recursive_": False, **tc.options})
     try:
         return instantiate(node, **provided)
     except InstantiationException as e:
         cause = e.__cause__ or e
         if isinstance(cause, (ValueError, TypeError, KeyError)):
+            if isinstance(getattr(cause, "option", None), str):  # "root: ..." about one option: data.root
+                raise ConfigError(f"{tc.group}.{_one_line(str(cause))}") from None
             raise ConfigError(f"{tc.group} ({tc.target}): {_one_line(str(cause))}") from None
         raise
 
@@ -463,9 +511,13 @@ def config_digest(cfg: DictConfig | Mapping[str, Any]) -> str:
     return _digest(data)
 
 
+# train fields that only decide what is recorded: a checkpoint resumes with other values
+_RECORDING = ("log_every", "tensorboard", "monitor_every", "monitor_archs", "monitor_samples")
+
+
 def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The fields that decide what training computes: seed, space, sampler, data, and train but
-    its logging and checkpoint cadence and ``nonfinite`` (a checkpoint keeps them)."""
+    its logging, monitoring and checkpoint cadence and ``nonfinite`` (a checkpoint keeps them)."""
     data = _to_container(cfg)
     pipe = data.get("pipeline") or {}
     mode = pipe.get("shared_ops", "exact")
@@ -473,7 +525,7 @@ def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     # checkpoint boundaries fall (no subnet reads a version from before the last boundary)
     keep = ("checkpoint_every",) if mode == "delayed" else ()
     train = {k: v for k, v in data.get("train", {}).items()
-             if k not in ("checkpoint_every", "log_every", "nonfinite") or k in keep}
+             if k not in ("checkpoint_every", *_RECORDING, "nonfinite") or k in keep}
     # the stream order at its defaults is left out, so runs from before it was a choice keep their digest
     sampler = data.get("sampler")
     if isinstance(sampler, Mapping):

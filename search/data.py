@@ -17,7 +17,8 @@ import torch
 
 from supernet import derive_seed
 
-__all__ = ["Dataset", "DataError", "ArrayDataset", "Digits", "Synthetic"]
+__all__ = ["Dataset", "DataError", "EpochOrder", "calib_indices", "check_batch_size", "ArrayDataset", "Digits",
+           "Synthetic"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,6 +37,47 @@ class Dataset(Protocol):
     def val_batches(self, batch_size: int) -> list[Batch]: ...
 
     def calib_batches(self, n: int, batch_size: int) -> list[Batch]: ...
+
+
+def check_batch_size(batch_size: int, n: int | None, field: str) -> None:
+    """A batch size is a positive integer, at most ``n`` (the training set size) when given."""
+    ok = isinstance(batch_size, int) and batch_size >= 1 and (n is None or batch_size <= n)
+    if not ok:
+        bound = "a positive integer" if n is None else f"an integer between 1 and {n} (the training set size)"
+        raise DataError(f"{field}: expected {bound}, found {batch_size!r}")
+
+
+class EpochOrder:
+    """The one rule for which training samples step ``t`` reads: epochs of ``size // batch_size``
+    batches (the rest dropped), each epoch a permutation of ``range(size)`` seeded by ``(seed,
+    epoch)``. Every data source that batches by index uses it, so they see the same batches."""
+
+    def __init__(self, seed: int, size: int) -> None:
+        self.seed, self.size = int(seed), int(size)
+        self._perm: tuple[int, torch.Tensor] | None = None  # the last epoch's, reused by its steps
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "epoch", epoch))
+            self._perm = (epoch, torch.randperm(self.size, generator=g))
+        return self._perm[1]
+
+    def indices(self, step: int, batch_size: int) -> torch.Tensor:
+        """Step ``step``'s sample indices, in batch order: int64 ``(batch_size,)``."""
+        check_batch_size(batch_size, self.size, "train.batch_size")
+        epoch, i = divmod(step, self.size // batch_size)
+        return self.permutation(epoch)[i * batch_size : (i + 1) * batch_size]
+
+
+def calib_indices(seed: int, size: int, n: int, batch_size: int) -> list[torch.Tensor]:
+    """``n`` batches of training-sample indices for batch-norm recalibration, fixed by the seed."""
+    if n <= 0:
+        return []
+    check_batch_size(batch_size, size, "search.calib_batch_size")
+    g = torch.Generator().manual_seed(derive_seed(seed, "calib"))
+    reps = math.ceil(n * batch_size / size)
+    idx = torch.cat([torch.randperm(size, generator=g) for _ in range(reps)])
+    return [idx[i * batch_size : (i + 1) * batch_size] for i in range(n)]
 
 
 class ArrayDataset:
@@ -58,7 +100,7 @@ class ArrayDataset:
         self.input_shape: tuple[int, ...] = tuple(int(d) for d in x_train.shape[1:])
         self.num_classes = int(num_classes)
         self.seed = int(seed)
-        self._perm: tuple[int, torch.Tensor] | None = None
+        self._order = EpochOrder(self.seed, self.train_size)
 
     @property
     def train_size(self) -> int:
@@ -68,43 +110,21 @@ class ArrayDataset:
     def val_size(self) -> int:
         return int(self.x_val.shape[0])
 
-    @staticmethod
-    def _check_batch(batch_size: int, n: int | None, field: str) -> None:
-        ok = isinstance(batch_size, int) and batch_size >= 1 and (n is None or batch_size <= n)
-        if not ok:
-            bound = "a positive integer" if n is None else f"an integer between 1 and {n} (the training set size)"
-            raise DataError(f"{field}: expected {bound}, found {batch_size!r}")
-
-    def _epoch_perm(self, epoch: int) -> torch.Tensor:
-        if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, "epoch", epoch))
-            self._perm = (epoch, torch.randperm(self.train_size, generator=g))
-        return self._perm[1]
-
     def train_batch(self, step: int, batch_size: int) -> Batch:
         """Batch ``step``: epochs of ``train_size // batch_size`` batches (the rest dropped)."""
-        self._check_batch(batch_size, self.train_size, "train.batch_size")
-        per_epoch = self.train_size // batch_size
-        epoch, i = divmod(step, per_epoch)
-        idx = self._epoch_perm(epoch)[i * batch_size : (i + 1) * batch_size]
+        idx = self._order.indices(step, batch_size)
         return self.x_train[idx], self.y_train[idx]
 
     def val_batches(self, batch_size: int) -> list[Batch]:
         """The whole validation set in order; the last batch may be smaller."""
-        self._check_batch(batch_size, None, "search.val_batch_size")
+        check_batch_size(batch_size, None, "search.val_batch_size")
         return [(self.x_val[i : i + batch_size], self.y_val[i : i + batch_size])
                 for i in range(0, self.val_size, batch_size)]
 
     def calib_batches(self, n: int, batch_size: int) -> list[Batch]:
         """``n`` batches of training samples for batch-norm recalibration, fixed by the seed."""
-        if n <= 0:
-            return []
-        self._check_batch(batch_size, self.train_size, "search.calib_batch_size")
-        g = torch.Generator().manual_seed(derive_seed(self.seed, "calib"))
-        reps = math.ceil(n * batch_size / self.train_size)
-        idx = torch.cat([torch.randperm(self.train_size, generator=g) for _ in range(reps)])
-        return [(self.x_train[idx[i * batch_size : (i + 1) * batch_size]],
-                 self.y_train[idx[i * batch_size : (i + 1) * batch_size]]) for i in range(n)]
+        return [(self.x_train[idx], self.y_train[idx])
+                for idx in calib_indices(self.seed, self.train_size, n, batch_size)]
 
 
 class Digits(ArrayDataset):

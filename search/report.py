@@ -9,7 +9,9 @@ Reads what the run wrote (``metrics.jsonl``, ``summary.json``, ``search-<algorit
 - ``migration.png``: bytes of ops migrated between pipeline stages per step.
 - ``search_progress.png``: best validation accuracy so far against archs evaluated, one line per
   search that ran in this directory (evolution, and the random baseline when it ran too: a
-  finished run run again with ``search=random`` only searches), generations marked.
+  finished run run again with ``search=random`` only searches), generations marked. Both start
+  from the same seeded draws: the baseline is thin, dashed and drawn over evolution's wide solid
+  line, with other markers, so both show where they coincide (a note says over how many archs).
 - ``pareto.png``: validation accuracy against parameters and against FLOPs of every evaluated
   arch, Pareto front marked (FLOPs counted here, on the meta device, for the space in
   ``summary.json``).
@@ -127,27 +129,41 @@ def _per_step(plt: Any, metrics: list[dict], key: str, ylabel: str, title: str, 
     _save(fig, path)
 
 
+# Each search's line. Evolution and its random baseline start from the same seeded draws, so their
+# lines coincide at first (often for a whole generation): the baseline is drawn thin, dashed, in
+# another colour and over evolution's wide solid line, so both show where they coincide.
+_SEARCH_STYLE = {
+    "evolution": {"color": "tab:blue", "ls": "-", "lw": 3.0, "zorder": 2, "marker": "o", "ms": 6},
+    "random": {"color": "tab:orange", "ls": (0, (4, 2)), "lw": 1.5, "zorder": 3, "marker": "x", "ms": 7, "mew": 1.5},
+}
+
+
 def _search_progress(plt: Any, logs: dict[str, list[dict]], population: int | None, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    curves = {}
     for algorithm, entries in sorted(logs.items()):
         best, ys = -math.inf, []
         for e in entries:
             if not e.get("nonfinite") and e["val_accuracy"] is not None:
                 best = max(best, e["val_accuracy"])
             ys.append(best if best > -math.inf else math.nan)
-        # evolution solid on top, the baseline dashed: they share generation 0 (the same seeded draws)
-        evo = algorithm == "evolution"
-        ax.step(range(1, len(ys) + 1), ys, where="post", label=f"{algorithm} (best {best:.4f})",
-                lw=2.2 if evo else 1.4, ls="-" if evo else "--", zorder=3 if evo else 2)
-        ends = [i + 1 for i, e in enumerate(entries[:-1]) if entries[i + 1]["generation"] != e["generation"]]
-        if algorithm == "evolution":
-            ax.plot(ends, [ys[i - 1] for i in ends], "o", ms=4, color=ax.lines[-1].get_color(),
-                    label="end of a generation")
+        curves[algorithm] = ys
+        # marked at the end of each generation (random search: each population-sized batch of draws)
+        ends = [i for i, e in enumerate(entries[:-1]) if entries[i + 1]["generation"] != e["generation"]]
+        ax.step(range(1, len(ys) + 1), ys, where="post", label=f"{algorithm} (best {best:.4f})", markevery=ends,
+                **_SEARCH_STYLE.get(algorithm, {}))
+    note = None
+    if len(curves) > 1:
+        a, b = (curves[k] for k in sorted(curves)[:2])
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if same:
+            note = f"the lines coincide over the first {same} archs\n(both start from the same seeded draws)"
     ax.set_xlabel("architectures evaluated (inherited weights)")
     ax.set_ylabel("best validation accuracy so far")
-    ax.set_title("Search progress" + (f" (population {population})" if population else ""))
+    notes = [f"population {population}"] if population else []
+    ax.set_title(f"Search progress ({'; '.join([*notes, 'markers: the end of each generation'])})")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower right", fontsize=8, title=note, title_fontsize=8)
     _save(fig, path)
 
 

@@ -13,7 +13,9 @@ stream from the seed and replays that many, which is always right and cheap.
   values, so its counts never differ by more than one and are equal after every full pass.
 * ``fixed`` — one given arch every step: the supernet trains that subnet alone (its other
   ops get no gradient), which is stand-alone training through the same engine
-  (``bench/ranking.py`` uses it for the ground truth).
+  (``bench/ranking.py`` uses it for the ground truth). From the command line:
+  ``sampler=fixed sampler.arch='{layer00: k3e3, ...}'``, with ``search=none`` to train (and score)
+  only that arch.
 
 ``order``: ``stream`` yields the archs as drawn. ``locality`` cuts the drawn stream into blocks
 (a fair round; ``block`` draws for ``uniform``, by default as many as a fair round) and yields

@@ -14,6 +14,7 @@ from search.app import run
 from search.checkpoint import CheckpointError, load_checkpoint
 from search.config import ConfigError
 from search.evolution import SubnetCost
+from search.metrics import tensorboard_available
 from supernet import Arch, SupernetError
 from supernet.spaces import conv
 
@@ -53,7 +54,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 def test_run_writes_metrics_summary_and_checkpoint(tiny_run: tuple[Path, dict]) -> None:
     out, summary = tiny_run
     assert sorted(p.name for p in out.iterdir()) == [
-        "checkpoint.prev.pt", "checkpoint.pt", "metrics.jsonl", "search-evolution.jsonl", "summary.json"]
+        "checkpoint.prev.pt", "checkpoint.pt", "metrics.csv", "metrics.jsonl", "search-evolution.jsonl", "summary.json",
+        *(["tb"] if tensorboard_available() else [])]  # TensorBoard scalars (train.tensorboard=auto)
     assert json.loads((out / "summary.json").read_text()) == summary
 
     metrics = read_metrics(out)
@@ -130,10 +132,13 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_run: tuple[Path, 
 
 def test_checkpoint_of_another_training_config_is_refused(tiny_run: tuple[Path, dict]) -> None:
     out, _ = tiny_run
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    before = files()
     with pytest.raises(CheckpointError, match="written by a run with other training settings"):
         run(make_cfg("train.optimizer.lr=0.2"), output_dir=out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert files() == before
 
 
 def test_random_search_with_constraints(tmp_path: Path) -> None:

@@ -35,13 +35,20 @@ def group_options() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("group", "option"), group_options())
-def test_every_group_option_composes_and_instantiates(group: str, option: str) -> None:
-    cfg = make_cfg(f"{group}={option}")
+def test_every_group_option_composes_and_instantiates(group: str, option: str, tmp_path: Path) -> None:
+    from search.torch_data import write_digits
+
+    # the fixed sampler trains the arch it is given (none given is an error: tests/test_search_modes.py)
+    arch = ["sampler.arch={layer00: k3e3, layer01: k3e6, layer02: k5e3, layer03: k5e6}"] if option == "fixed" else []
+    # the on-disk formats read a root of their own: the digits written in that format
+    root = ([f"data.root={write_digits(tmp_path / option, option)}"]
+            if group == "data" and option in ("image_folder", "cifar10") else [])
+    cfg = make_cfg(f"{group}={option}", *arch, *root)
     rc = load_config(cfg)
     data = build_data(rc.data)
     graph = build_space(rc.space, data.input_shape, data.num_classes)
     assert isinstance(graph, SupernetGraph) and graph.space().size() > 1
-    sampler = make_sampler(rc.sampler.name, graph.space(), rc.seed)
+    sampler = make_sampler(rc.sampler.name, graph.space(), rc.seed, rc.sampler.arch)
     assert graph.space().validate(sampler.next())
     x, y = data.train_batch(0, rc.train.batch_size)
     assert x.shape == (rc.train.batch_size, *data.input_shape) and y.max() < data.num_classes
@@ -84,7 +91,7 @@ def test_custom_space_through_a_yaml_on_the_search_path(tmp_path: Path) -> None:
     (["train.steps=ten"], "train.steps: expected an integer >= 1, found 'ten'"),
     (["sampler.name=greedy"], "sampler.name: expected one of ['fair', 'fixed', 'uniform'], found 'greedy'"),
     (["train.optimizer.lr=-1"], "train.optimizer.lr: expected a positive number, found -1"),
-    (["search.algorithm=annealing"], "search.algorithm: expected one of ['evolution', 'random'], found 'annealing'"),
+    (["search.algorithm=annealing"], "search.algorithm: expected one of ['evolution', 'random', 'none'], found 'annealing'"),
     (["search.population=1"], "search.population: expected an integer >= 2, found 1"),
     (["search.constraints.max_params=0"], "search.constraints.max_params: expected an integer >= 1 or null, found 0"),
     (["search.seed_archs=[3]"], "search.seed_archs[0]: expected a mapping label -> value, found 3"),

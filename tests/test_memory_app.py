@@ -61,7 +61,7 @@ def test_bad_memory_settings_name_the_field(override: str, message: str) -> None
 
 
 def test_an_infeasible_budget_stops_the_run_with_the_shortfall(tmp_path: Path) -> None:
-    from pipeline import MemoryBudgetError
-
-    with pytest.raises(MemoryBudgetError, match=r"memory\.device_budget_bytes: .* short by \d+ bytes"):
-        run(cfg("memory.device_budget_bytes=1000"), output_dir=tmp_path)
+    # checked before anything is written (tests/test_memory_precheck.py: the threshold is exact)
+    with pytest.raises(ConfigError, match=r"memory\.device_budget_bytes: .* short by \d+ bytes"):
+        run(cfg("memory.device_budget_bytes=1000"), output_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -108,6 +108,8 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
     try:
         for arch in arch_stream(graph, sc.seed, sc.steps):
             plans.append(planner.plan_with(arch, owners, before))
+            for s in range(stages):  # what training asks of the plan (raises where no activation plan fits)
+                plans[-1].stage_activations(s)
             owners.update(stages_of(plans[-1].active, plans[-1].partition.bounds))
             before = arch
     finally:

@@ -1,14 +1,16 @@
 """Every command in README.md's fenced ``bash`` blocks runs, as a user would type it.
 
 Commands run in one scratch directory, in README order, shortened only by overrides this test
-appends (:data:`SHORT`: fewer steps, a smaller search) and, for one-process runs, a scratch run
-directory. Each must exit 0. What a command may not do here is marked in the README itself:
+appends (:data:`SHORT`: fewer steps, a smaller search) and a scratch run directory of their own
+(unless they name one). Each must exit 0. What a command may not do here is marked in the README itself:
 
 * ``# needs CUDA`` in its comment: skipped without a GPU;
 * ``python3 -m venv`` / ``pip install`` / ``. .venv/bin/activate``: the environment this suite
   runs in (``.ci/run`` makes it with the quick start's own command, read from the README); of a
   quick-start line the part after the set-up runs here;
 * ``python -m pytest``: this suite itself (``.ci/run`` runs it: the quick start's second line);
+* ``python -m search.torch_data ...`` (writes example data) and ``mkdir``/``printf``: shell
+  commands, run first, with this suite's ``python``;
 * ``--rdzv_endpoint=host0:PORT``: a command for several machines; its lines run together on this
   machine with ``127.0.0.1`` and a free port for ``host0:PORT``;
 * a single-node ``torchrun`` gets ``--standalone`` (a free rendezvous port, so concurrent jobs
@@ -65,7 +67,7 @@ class Command:
     @property
     def kind(self) -> str:
         """What the test does with it: ``cuda``, ``setup``, ``suite``, ``search``, ``torchrun``,
-        ``node`` (one machine's line of a several-machine job), ``shell`` or ``unknown``."""
+        ``node`` (one machine's line of a several-machine job), ``shell``, ``export`` or ``unknown``."""
         if "needs CUDA" in self.comment:
             return "cuda"
         job = self.job
@@ -74,6 +76,10 @@ class Command:
         words = shlex.split(job)
         if words[0] in ("python", ".venv/bin/python") and words[1:3] == ["-m", "pytest"]:
             return "suite"
+        if words[0] in ("python", ".venv/bin/python") and words[1:3] == ["-m", "search.torch_data"]:
+            return "shell"  # writes example data
+        if words[0] in ("python", ".venv/bin/python") and words[1:3] == ["-m", "search.export"]:
+            return "export"  # of a run an earlier command made
         if words[0] in ("python", ".venv/bin/python") and words[1:3] == ["-m", "search"]:
             return "search"
         if words[0] in ("torchrun", ".venv/bin/torchrun") and "-m" in words:
@@ -177,9 +183,11 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python file they import (``my_space.py``) is there, as a user would have them."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "my_space.py").write_text(_python_block("# my_space.py"))
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # `python`: this suite's
     for c in COMMANDS:
         if c.kind == "shell":
-            subprocess.run(["bash", "-c", c.text], cwd=tmp, check=True)
+            subprocess.run(["bash", "-c", c.text], cwd=tmp, env=env, check=True)
     return tmp
 
 
@@ -203,7 +211,7 @@ def one_process(scratch: Path) -> dict[str, Result]:
 def test_readme_one_process_command(c: Command, scratch: Path, one_process: dict[str, Result]) -> None:
     r = one_process[c.id]
     assert r.status == 0, f"{c.text}\n{r.stderr[-3000:]}"
-    assert "best arch: " in r.stdout
+    assert re.search(r"^(best arch|trained arch|trained): ", r.stdout, re.M), r.stdout[-2000:]
     assert (_output_dir(r, scratch) / "summary.json").exists()
 
 
@@ -230,23 +238,38 @@ def _finish(p: subprocess.Popen, c: Command) -> str:
     return out
 
 
-def _check_twin(outs: list[str], cwd: Path, c: Command, scratch: Path, one_process: dict[str, Result]) -> None:
+def _check_twin(outs: list[str], c: Command, scratch: Path, one_process: dict[str, Result]) -> None:
     """The job's weights (rank 0 prints where they are) equal its one-process twin's."""
     (out,) = [o for o in outs if "output dir: " in o]
     twin = one_process[f"{c.id}:twin"]
     assert twin.status == 0, twin.stderr[-3000:]
-    run_dir = _output_dir(Result(0, out, ""), cwd)
+    run_dir = _output_dir(Result(0, out, ""), scratch)
     assert _digest(run_dir) == _digest(_output_dir(twin, scratch)), f"{c.text}: not the one-process weights"
+
+
+@pytest.mark.parametrize("c", [c for c in COMMANDS if c.kind == "export"], ids=lambda c: c.id)
+def test_readme_export_command(c: Command, scratch: Path, one_process: dict[str, Result]) -> None:
+    """After the one-process commands (the run it exports is one of them)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    words = shlex.split(c.job)
+    p = subprocess.run([sys.executable, *words[1:]], cwd=scratch, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, f"{c.text}\n{p.stderr[-3000:]}"
+    assert "val accuracy: " in p.stdout and (scratch / words[3] / "export" / "best" / "model.pt2").exists()
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("c", [c for c in COMMANDS if c.kind == "torchrun"], ids=lambda c: c.id)
 def test_readme_torchrun_command(c: Command, scratch: Path, one_process: dict[str, Result]) -> None:
-    cwd = scratch / f"torchrun-{c.line}"  # its own: torchrun pins the run directory by the overrides
-    cwd.mkdir()
-    words = shlex.split(c.job)
-    out = _finish(_torchrun([words[0], "--standalone", *words[1:]], cwd), c)
-    _check_twin([out], cwd, c, scratch, one_process)
+    words = [*shlex.split(c.job), *_run_dir(c, "torchrun")]
+    out = _finish(_torchrun([words[0], "--standalone", *words[1:]], scratch), c)
+    _check_twin([out], c, scratch, one_process)
+
+
+def _run_dir(c: Command, where: str) -> list[str]:
+    """A scratch run directory of its own, unless the command names one: torchrun pins it by the
+    overrides, and two README commands may have the same ones."""
+    return [] if any(a.startswith("hydra.run.dir=") for a in c.args) else [f"hydra.run.dir={where}/{c.line}"]
 
 
 def _node_pairs() -> list[tuple[Command, Command]]:
@@ -259,17 +282,15 @@ def _node_pairs() -> list[tuple[Command, Command]]:
 def test_readme_several_machine_commands(pair: tuple[Command, Command], scratch: Path,
                                          one_process: dict[str, Result]) -> None:
     """Both machines' lines at once on this one, ``host0:PORT`` -> ``127.0.0.1:<free port>``,
-    in one directory (as on a shared filesystem)."""
-    cwd = scratch / f"nodes-{pair[0].line}"
-    cwd.mkdir()
+    in one run directory (as on a shared filesystem)."""
     port = _free_port()
     procs = []
     for c in pair:
         words = [re.sub(r"^--rdzv_endpoint=host0:\d+$", f"--rdzv_endpoint=127.0.0.1:{port}", w)
                  for w in shlex.split(c.job)]
-        procs.append(_torchrun(words, cwd))
+        procs.append(_torchrun([*words, *_run_dir(pair[0], "nodes")], scratch))
     outs = [_finish(p, c) for p, c in zip(procs, pair)]
-    _check_twin(outs, cwd, pair[0], scratch, one_process)
+    _check_twin(outs, pair[0], scratch, one_process)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (marked so in the README)")

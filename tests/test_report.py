@@ -46,3 +46,38 @@ def test_report_of_a_directory_that_is_not_a_run(tmp_path: Path, capsys: pytest.
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path)])
     assert e.value.code == 2 and capsys.readouterr().err.startswith(f"error: {tmp_path}: no metrics.jsonl")
+
+
+def test_search_progress_shows_both_searches_where_they_coincide(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evolution and its random baseline start from the same seeded draws: the baseline must
+    not hide under evolution's line (distinct colour, dash, width and markers; drawn on top)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    import search.report as rep
+
+    figs: list = []
+    monkeypatch.setattr(rep, "_save", lambda fig, path: figs.append(fig))
+    acc = [0.2, 0.5, 0.4, 0.6, 0.6, 0.7, 0.65, 0.8]
+    evolution = [{"generation": i // 4, "val_accuracy": a, "nonfinite": False} for i, a in enumerate(acc)]
+    late = [{**e, "val_accuracy": e["val_accuracy"] + 0.1 * (i >= 4)} for i, e in enumerate(evolution)]
+    for random_log, same in ((late, 4), (evolution, 8)):  # apart after a generation; the same all along
+        figs.clear()
+        rep._search_progress(rep._plt(), {"evolution": evolution, "random": random_log}, 4, tmp_path / "p.png")
+        (fig,) = figs
+        ax = fig.axes[0]
+        evo, rnd = (next(ln for ln in ax.lines if ln.get_label().startswith(k)) for k in ("evolution", "random"))
+        assert list(evo.get_ydata()[:same]) == list(rnd.get_ydata()[:same])
+        assert evo.get_color() != rnd.get_color() and evo.get_linestyle() != rnd.get_linestyle()
+        assert evo.get_marker() != rnd.get_marker() and list(evo.get_markevery()) == list(rnd.get_markevery()) == [3]
+        assert rnd.get_zorder() > evo.get_zorder() and rnd.get_linewidth() < evo.get_linewidth()
+        assert f"coincide over the first {same} archs" in ax.get_legend().get_title().get_text()
+        fig.canvas.draw()  # both colours on the canvas, even where the lines are the same
+        pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(float) / 255
+        seen = {k: int((np.abs(pixels - to_rgb(ln.get_color())).max(-1) < 0.08).sum()) for k, ln in
+                (("evolution", evo), ("random", rnd))}
+        assert min(seen.values()) > 300, seen
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

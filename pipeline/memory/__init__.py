@@ -36,7 +36,8 @@ Modules, one concern each:
 * :mod:`.optim` - per-op optimizer settings and the one-call step of many ops;
 * :mod:`.sizing` - op footprints, and what the settings mean to the planner;
 * :mod:`.settings` - :class:`MemorySettings`; :mod:`.stats` - counters and audit;
-  :mod:`.errors` - :class:`MemoryBudgetError`, the one text that names the budget.
+  :mod:`.errors` - :class:`MemoryBudgetError`, the one text that names the budget (and the
+  activation budget's, for the run's pre-check, :mod:`pipeline.feasibility`).
 """
 from __future__ import annotations
 

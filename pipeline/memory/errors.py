@@ -1,15 +1,19 @@
-"""The tensor manager's error: what must be resident at once does not fit the device budget.
+"""The memory budgets' errors: what must be resident at once does not fit the device budget, or
+the activations a run trains with do not fit the activation budget.
 
 Every check that compares bytes against ``memory.device_budget_bytes`` (the store's, when an op
-or a step's ops are placed; the reference engine's, for the largest subnet; the planner's, for a
-stage's share of a split) raises the error built here, so the field, the shortfall and the
-hint read the same wherever the budget is short.
+or a step's ops are placed; the reference engine's and the app's pre-check, for the largest
+subnet; the planner's, for a stage's share of a split) raises the error built here, so the field,
+the shortfall and the hint read the same wherever the budget is short; the pre-check of
+``memory.activation_budget_bytes`` (:mod:`.feasibility`) raises :func:`activation_budget_error`.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["MemoryBudgetError", "budget_error", "fragmented_error"]
+from ..plan.activations import ActivationError
+
+__all__ = ["MemoryBudgetError", "budget_error", "fragmented_error", "activation_budget_error"]
 
 _MIB = float(2**20)
 
@@ -42,3 +46,14 @@ def fragmented_error(op_id: str, nbytes: int, free: int, in_use: int, pinned: in
         f"around {in_use} ops already in use this step (the step's ops take {pinned} bytes of a budget of "
         f"{budget}); ensure() a step's ops before using any of them, or raise memory.device_budget_bytes",
         pinned, budget)
+
+
+def activation_budget_error(what: str, needed: int, budget: int, hints: Sequence[str] = ()) -> ActivationError:
+    """``what`` (a noun phrase: the activations of a subnet on a stage) needs ``needed`` bytes
+    with every op at its smallest choice, over ``memory.activation_budget_bytes`` = ``budget``;
+    ``hints``: other ways out than a larger budget."""
+    ways = ", or ".join((f"raise memory.activation_budget_bytes to {needed} or more", *hints))
+    return ActivationError(
+        f"memory.activation_budget_bytes: expected at least {needed} bytes ({needed / _MIB:.2f} MiB): {what} need "
+        f"that much with every op at its smallest choice of keep, swap and recompute; found {budget} "
+        f"({budget / _MIB:.2f} MiB), short by {needed - budget} bytes; {ways}", short_by=needed - budget)

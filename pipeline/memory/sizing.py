@@ -22,15 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from supernet import OpSpec, SupernetGraph, build_op
+from supernet import Arch, OpSpec, SupernetGraph, build_op
 
-from ..plan.activations import ActivationError, stage_activation_plan
+from ..plan.activations import ActivationError, stage_activation_floor, stage_activation_plan
 from ..plan.partition import ManagedMemory, Partition, PartitionProblem
 from .errors import MemoryBudgetError, budget_error
+from .optim import OptimConfig
 from .settings import MemorySettings
-from .state import op_layout
+from .state import alignment_for, op_layout, optim_state_keys
 
-__all__ = ["footprints", "largest_subnet_footprint", "MemoryModel", "check_fits", "arena_error"]
+__all__ = ["footprints", "op_footprints", "largest_subnet_footprint", "largest_subnet", "check_largest_subnet",
+           "MemoryModel", "check_fits", "arena_error"]
 
 
 def footprints(spec_of: Callable[[str], OpSpec], op_ids: Iterable[str], seed: int, state_keys: Sequence[str],
@@ -46,6 +48,26 @@ def footprints(spec_of: Callable[[str], OpSpec], op_ids: Iterable[str], seed: in
     return out
 
 
+def op_footprints(graph: SupernetGraph, seed: int, optim: OptimConfig, device: torch.device, memory: MemorySettings,
+                  op_ids: Iterable[str] | None = None) -> dict[str, int]:
+    """:func:`footprints` of ``graph``'s ops (default: all) as a :class:`~.manager.TensorManager`
+    of these settings on ``device`` counts them (its optimizer's state keys, the device's
+    alignment, whether state can stay home), without building one."""
+    specs = {slot.op_id: slot.spec for slot in graph.slots()}
+    return footprints(specs.__getitem__, specs if op_ids is None else op_ids, seed,
+                      optim_state_keys(optim.name, optim.momentum), alignment_for(device), memory.state_can_stay_home)
+
+
+def largest_subnet(graph: SupernetGraph, sizes: Mapping[str, int]) -> Arch:
+    """The subnet whose every choice slot takes its candidate of most arena bytes (the first
+    such, in candidate order): every subnet runs one op per node, and none is larger at any node."""
+    best: dict[str, tuple[int, str]] = {}
+    for slot in graph.slots():
+        if graph.is_choice(slot.node) and sizes[slot.op_id] > best.get(slot.node, (-1, ""))[0]:
+            best[slot.node] = (sizes[slot.op_id], slot.op_id[len(slot.node) + 1:])  # "<slot>/<candidate>"
+    return Arch({node: cand for node, (_, cand) in best.items()})
+
+
 def largest_subnet_footprint(graph: SupernetGraph, sizes: Mapping[str, int]) -> int:
     """Bytes the largest subnet takes in the arena: every slot's biggest candidate, and the
     fixed ops (the least budget with which any subnet of the supernet can run in one process)."""
@@ -53,6 +75,15 @@ def largest_subnet_footprint(graph: SupernetGraph, sizes: Mapping[str, int]) -> 
     for slot in graph.slots():
         by_node[slot.node] = max(by_node.get(slot.node, 0), sizes[slot.op_id])
     return sum(by_node.values())
+
+
+def check_largest_subnet(graph: SupernetGraph, sizes: Mapping[str, int], budget: int) -> None:
+    """One process: the largest subnet (:func:`largest_subnet`) must fit ``budget`` bytes of
+    arena, since the search may train or score any subnet; else the budget's error."""
+    need = largest_subnet_footprint(graph, sizes)
+    if need > budget:
+        raise budget_error(f"the largest subnet of {graph.name!r} (the search may train or score any), "
+                           f"{largest_subnet(graph, sizes).to_json()}", need, budget)
 
 
 @dataclass(frozen=True)
@@ -79,6 +110,12 @@ class MemoryModel:
 
     def budgets(self) -> tuple[float, ...] | None:
         return None if self.arena_bytes is None else tuple(float(b) for b in self.arena_bytes)
+
+    def activation_floors(self, problem: PartitionProblem, bounds: Sequence[int]) -> tuple[int, ...]:
+        """Per stage, the least bytes of activations any ``auto`` plan keeps (every op at its
+        smallest choice): :meth:`activation_choices` raises exactly when a stage's exceeds
+        ``memory.activation_budget_bytes``."""
+        return tuple(stage_activation_floor(problem, bounds, s) for s in range(problem.num_stages))
 
     def activation_choices(self, problem: PartitionProblem,
                            bounds: Sequence[int]) -> tuple[Mapping[str, str], ...] | None:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from .partition import OpCost, Partition, PartitionError, PartitionProblem
 
 __all__ = ["CHOICES", "ActivationError", "ActivationPlan", "plan_activations", "activation_memory",
-           "min_activation_memory", "stage_activation_plan", "op_memory", "partition_activation_plans"]
+           "min_activation_memory", "stage_activation_plan", "stage_activation_floor", "op_memory",
+           "partition_activation_plans"]
 
 CHOICES = ("keep", "swap", "recompute")
 _MIB = float(2**20)
@@ -160,8 +161,8 @@ def plan_activations(
             f"budget: the activations of {len(ops)} ops holding {F} micro-batches need at least {floor} bytes "
             f"({floor / _MIB:.2f} MiB) with every op at its smallest choice among {list(allowed)}, against "
             f"{budget:.0f} bytes ({budget / _MIB:.2f} MiB): short by {short} bytes ({short / _MIB:.2f} MiB). "
-            "Hint: raise the device budget, use more stages or fewer micro-batches in flight (1F1B), or "
-            "move the optimizer state to the host", short_by=short)
+            f"Hint: raise the budget to at least {floor} bytes (in a run: memory.activation_budget_bytes), use "
+            "more stages, or hold fewer micro-batches in flight (1F1B)", short_by=short)
     if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 1:
         raise ActivationError(f"resolution: expected a positive int (bytes), found {resolution!r}")
     per_byte = M / host_bandwidth  # link seconds per swapped byte (each direction)
@@ -294,12 +295,27 @@ def stage_activation_plan(problem: PartitionProblem, bounds: Sequence[int], stag
     op ``k``'s input taken as ``cut_bytes[k]`` (what is live across the boundary before it: the
     input of a chain's op), the stage input ``cut_bytes[bounds[s]]`` and ``in_flight`` from the
     problem's schedule."""
+    ops, inputs, F, stage_input = _stage(problem, bounds, stage)
+    return plan_activations(ops, inputs, F, problem.num_microbatches, budget, host_bandwidth, overlap, stage_input,
+                            allowed)
+
+
+def stage_activation_floor(problem: PartitionProblem, bounds: Sequence[int], stage: int,
+                           allowed: Sequence[str] = CHOICES) -> int:
+    """The least activation memory any plan of stage ``stage`` reaches (:func:`min_activation_memory`
+    of the ops :func:`stage_activation_plan` plans): that plan raises exactly when its budget is below it."""
+    ops, inputs, F, stage_input = _stage(problem, bounds, stage)
+    return min_activation_memory(ops, inputs, F, stage_input, allowed)
+
+
+def _stage(problem: PartitionProblem, bounds: Sequence[int],
+           stage: int) -> tuple[tuple[OpCost, ...], list[int], int, int]:
+    """Stage ``stage``'s ops, each op's input bytes (0 for the first: the stage input), the
+    micro-batches it holds and its input bytes."""
     i, j = bounds[stage], bounds[stage + 1]
-    F = problem.in_flight[stage]
     ops = problem.ops[i:j]
     inputs = [0] + [problem.cut_bytes[k] for k in range(i + 1, j)]
-    return plan_activations(ops, inputs[:len(ops)], F, problem.num_microbatches, budget, host_bandwidth, overlap,
-                            problem.cut_bytes[i], allowed)
+    return ops, inputs[:len(ops)], problem.in_flight[stage], problem.cut_bytes[i]
 
 
 def partition_activation_plans(problem: PartitionProblem, part: Partition, host_bandwidth: float = math.inf,

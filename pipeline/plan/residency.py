@@ -153,8 +153,9 @@ def _check(uses: Sequence[Iterable[str]], sizes: Mapping[str, int], budget: int,
         raise ResidencyError(
             f"budget: step {t} needs {len(trace[t])} ops resident at once, {need[t]} bytes "
             f"({need[t] / _MIB:.2f} MiB), against a budget of {budget} bytes ({budget / _MIB:.2f} MiB): "
-            f"short by {short} bytes ({short / _MIB:.2f} MiB). Hint: raise the device budget, use more "
-            "stages (fewer ops per stage), or move the optimizer state to the host", short_by=short, step=t)
+            f"short by {short} bytes ({short / _MIB:.2f} MiB). Hint: raise the budget to at least {need[t]} bytes "
+            "(in a run: memory.device_budget_bytes), use more stages (fewer ops per stage), or move the optimizer "
+            "state to the host (memory.optimizer=host)", short_by=short, step=t)
     return trace
 
 
