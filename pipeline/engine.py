@@ -87,6 +87,10 @@ class Engine(Protocol):
 
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult: ...
 
+    def input_rows(self, batch_size: int) -> range | None:
+        """The rows of each training batch this rank computes on (a replica's micro-batches), or
+        None for all of them. ``train_step(s)`` takes either the whole batch or just these rows."""
+
     def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
         """Train ``items`` (step, arch, x, y), in training order, several in flight where the
         engine can; returns one result per item. ``upcoming``: the subnets after them (a hint)."""

@@ -22,7 +22,7 @@ from supernet import SupernetGraph
 from .memory import MemorySettings
 from .settings import PipelineSettings
 
-__all__ = ["Layout", "LayoutError", "resolve_layout", "replicas_allowed"]
+__all__ = ["Layout", "LayoutError", "resolve_layout", "replicas_allowed", "replicas_of"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,16 @@ def resolve_layout(settings: PipelineSettings, memory: MemorySettings | None, wo
         return _auto(graph, world_size, microbatches, settings, optimizer, sample_shape, batch_size,
                      replicas=why_not is None)
     stages = world_size if stages is None else stages
-    if world_size % stages:
+    replicas = replicas_of(world_size, stages, microbatches)
+    if replicas > 1 and why_not is not None:
+        raise LayoutError(f"{why_not} ({stages} stages x {replicas} replicas from pipeline.stages={stages} on "
+                          f"{world_size} processes)")
+    return Layout(stages, replicas)
+
+
+def replicas_of(world_size: int, stages: int, microbatches: int) -> int:
+    """R = N / S, or :class:`LayoutError` when S does not divide N or R does not divide M."""
+    if stages < 1 or world_size % stages:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise LayoutError(f"pipeline.stages: expected a divisor of the number of processes {world_size} "
                           f"(processes = stages x replicas: one of {divisors}), 'auto' or null, found {stages}")
@@ -75,10 +84,7 @@ def resolve_layout(settings: PipelineSettings, memory: MemorySettings | None, wo
     if microbatches % replicas:
         raise LayoutError(f"train.microbatches: expected a multiple of the replica count {replicas} "
                           f"({world_size} processes / pipeline.stages {stages}), found {microbatches}")
-    if replicas > 1 and why_not is not None:
-        raise LayoutError(f"{why_not} ({stages} stages x {replicas} replicas from pipeline.stages={stages} on "
-                          f"{world_size} processes)")
-    return Layout(stages, replicas)
+    return replicas
 
 
 def _auto(graph: SupernetGraph | None, world_size: int, microbatches: int, settings: PipelineSettings,

@@ -81,6 +81,9 @@ class ReferenceEngine:
         check_largest_subnet(self.graph, self.tensors.footprints(s.op_id for s in self.graph.slots()),
                              self.tensors.stats().budget_bytes)
 
+    def input_rows(self, batch_size: int) -> range | None:
+        return None  # one process computes every row
+
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
         """Remember the next subnets' ops: the next ``train_step`` hands them to the tensor
         manager with its own, which fetches them while that step runs."""
@@ -156,6 +159,8 @@ class ReferenceEngine:
         return {op_id: self.tensors.export(op_id, release=False) for op_id in self.tensors.owned()}
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Replace the state of the ops in ``states`` (the others keep theirs; one without
+        ``optim/`` entries gets a fresh optimizer)."""
         for op_id, state in states.items():
             if self.tensors.owns(op_id):
                 self.tensors.export(op_id)  # drop the fresh copy

@@ -45,13 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .layout import LayoutError, replicas_of
 from .transport import Transport, peer_errors, wait_for
 
 __all__ = ["Mesh", "MeshError", "ReplicaReducer", "new_group_per"]
 
 
-class MeshError(ValueError):
-    """The world size, ``pipeline.stages`` and ``train.microbatches`` do not fit a mesh."""
+MeshError = LayoutError  # the world size, ``pipeline.stages`` and ``train.microbatches`` do not fit a mesh
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,7 @@ class Mesh:
 
     @classmethod
     def of(cls, rank: int, world_size: int, stages: int, microbatches: int) -> Mesh:
-        if stages < 1 or world_size % stages:
-            raise MeshError(f"pipeline.stages: expected a divisor of the world size {world_size} "
-                            f"(world = stages x replicas), found {stages}")
-        replicas = world_size // stages
-        if microbatches % replicas:
-            raise MeshError(f"train.microbatches: expected a multiple of the replica count {replicas} "
-                            f"(world size {world_size} / pipeline.stages {stages}), found {microbatches}")
-        return cls(rank, stages, replicas)
+        return cls(rank, stages, replicas_of(world_size, stages, microbatches))
 
     @property
     def stage(self) -> int:

@@ -105,6 +105,20 @@ def _take(mbs: list, share: range) -> list:
     return [mbs[m] for m in share]
 
 
+def share_of(x: torch.Tensor, y: torch.Tensor, batch_size: int | None, microbatches: int, share: range,
+             device: torch.device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """A replica's micro-batches ``share`` of M = ``microbatches``, and the whole batch's size, from
+    either the whole batch or just the share's rows (what ``input_rows`` asked the data for)."""
+    whole = x.shape[0] if batch_size is None else batch_size
+    if x.shape[0] == whole:
+        return _take(split_batch(x.to(device), y.to(device), microbatches), share), whole
+    rows = whole // microbatches * len(share)
+    if x.shape[0] != rows:
+        raise ValueError(f"train_step: expected the whole batch ({whole} rows) or this replica's {rows} rows, "
+                         f"found {x.shape[0]}")
+    return split_batch(x.to(device), y.to(device), len(share)), whole
+
+
 def _segment_key(archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> tuple:
     """What a prepared segment was made for: its subnets, the op placement before it, the subnet before."""
     return tuple(archs), dict(owners), prior
@@ -120,6 +134,7 @@ class PipelineEngine:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
+        self.batch_size = batch_size  # the whole training batch (a replica may be given only its rows)
         # the 2-D mesh: R replicas of an S-stage pipeline (pipeline/replicas.py); R = 1: one
         # process per stage, exactly as without replicas. The app checked the same layout before
         # anything was written (pipeline/layout.py).
@@ -205,6 +220,17 @@ class PipelineEngine:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def _batch(self, x: torch.Tensor) -> int:
+        """The whole training batch's size (``x`` may be a replica's rows of it)."""
+        return x.shape[0] if self.batch_size is None else self.batch_size
+
+    def input_rows(self, batch_size: int) -> range | None:
+        """A replica's rows of each batch (its micro-batches'); None without replicas."""
+        if self.replicas == 1:
+            return None
+        share, per = self.mesh.microbatches(self.microbatches), batch_size // self.microbatches
+        return range(share.start * per, share.stop * per)
+
     @property
     def last(self) -> int:
         return self.num_stages - 1
@@ -260,9 +286,9 @@ class PipelineEngine:
     # -- training --------------------------------------------------------------------------
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         t0 = time.perf_counter()
-        batch = x.shape[0]
-        mbs = split_batch(x.to(self.device), y.to(self.device), self.microbatches)
-        mbs = _take(mbs, self.mesh.microbatches(self.microbatches))  # this replica's share
+        # this replica's share (the data may have read just its rows)
+        mbs, batch = share_of(x, y, self.batch_size, self.microbatches, self.mesh.microbatches(self.microbatches),
+                              self.device)
         with self.failures.failing(step, "plan"):
             checked = self.agreement.read()  # before the moves made ahead settle
         with self.failures.failing(step, "migrate-ahead"), self.tracer.span(step, "settle moves", "migrate-ahead"):
@@ -348,7 +374,7 @@ class PipelineEngine:
         archs = [it[1] for it in items]
         M = self.microbatches
         with self.failures.failing(steps[0], "plan"):
-            self.planner.ensure(items[0][2], items[0][2].shape[0] // M, training=True)
+            self.planner.ensure(items[0][2], self._batch(items[0][2]) // M, training=True)
             ahead, self._ahead = self._ahead, None
             ready = ahead.result() if ahead is not None else None  # re-raises its error
             key = _segment_key(archs, self.owners, self._last_arch)
@@ -360,11 +386,10 @@ class PipelineEngine:
         plans, schedule = prep.plans, prep.schedule
         self.stats.plan_s = time.perf_counter() - t0
         self.failures.schedule = schedule
-        dev = self.device
-        share = self.mesh.microbatches(M)  # this replica's micro-batches
-        seg = Segment(steps, tuple(plans), schedule,
-                      tuple(_take(split_batch(x.to(dev), y.to(dev), M), share) for _, _, x, y in items),
-                      tuple(int(it[2].shape[0]) for it in items), tuple(self.lr(s) for s in steps))
+        share = self.mesh.microbatches(M)  # this replica's micro-batches (the data may have read just their rows)
+        shares = [share_of(x, y, self.batch_size, M, share, self.device) for _, _, x, y in items]
+        seg = Segment(steps, tuple(plans), schedule, tuple(mbs for mbs, _ in shares),
+                      tuple(batch for _, batch in shares), tuple(self.lr(s) for s in steps))
         values, run = self.cross.run(seg)
         self.owners.update(prep.owners)  # where each op with state is now (every rank alike)
         self._last_arch = archs[-1]
@@ -433,11 +458,13 @@ class PipelineEngine:
             return self.migrator.gather()
 
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Replace the state of the ops this rank owns with ``states`` (every rank passes all)."""
+        """Replace the state of the ops this rank owns with ``states`` (every rank passes the same;
+        an op not in it keeps its state, and one without ``optim/`` entries gets a fresh optimizer)."""
         self.migrator.settle()
         for op_id in self.tensors.owned():
-            self.tensors.export(op_id)
-            self.tensors.adopt(op_id, states[op_id])
+            if op_id in states:
+                self.tensors.export(op_id)
+                self.tensors.adopt(op_id, states[op_id])
 
     def trace_spans(self) -> list[Span] | None:
         """Every rank's recorded spans on rank 0 (collective); None on the others."""

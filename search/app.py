@@ -30,6 +30,7 @@ the step (all ranks after the same one), writes a checkpoint and raises
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -53,12 +54,13 @@ from pipeline import Engine, EvalResult, create_engine, dist_env, params_digest
 from pipeline.engine import PLAN_AHEAD
 from pipeline.failures import Fault, inject, parse_fault
 from pipeline.layout import Layout, LayoutError, resolve_layout
+from pipeline.memory.state import weight_shapes, weights_only
 from pipeline.stop import StopVote
 from pipeline.trace import write_trace
-from supernet import Arch, SearchSpace, SupernetGraph, derive_seed
+from supernet import Arch, OpSpec, SearchSpace, SupernetGraph, build_op, derive_seed
 
-from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, remove_temporaries,
-                         resume_checkpoint, save_checkpoint)
+from .checkpoint import (CHECKPOINT_NAME, Checkpoint, CheckpointError, atomic_write_text, load_checkpoint,
+                         remove_temporaries, resume_checkpoint, save_checkpoint)
 from .config import (ConfigError, RunConfig, build_data, build_space, config_digest, field_differences, load_config,
                      train_fields, train_digest)
 from .evolution import Candidate, SearchResult, SubnetCost, evolution_search, random_search
@@ -66,7 +68,7 @@ from .interrupt import Interrupted, Interrupts
 from .metrics import MEMORY_FIELDS, METRICS_NAME, MetricsWriter, Monitor, reference_archs
 from .samplers import FixedSampler, Sampler, make_sampler
 
-__all__ = ["run", "prepare", "Prepared", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
+__all__ = ["run", "prepare", "Prepared", "InitFrom", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
 
 SUMMARY_NAME = "summary.json"
 TRACE_NAME = "trace.json"
@@ -90,6 +92,23 @@ class _RankLog(logging.LoggerAdapter):
 
 
 @dataclass(frozen=True)
+class InitFrom:
+    """``train.init_from`` as :func:`prepare` read it: the checkpoint file, the source run's
+    ``params_digest`` (its ``summary.json``'s, when that sits beside its ``checkpoint.pt``), and
+    the weights and buffers (no optimizer state) of the ops of this space it holds: ``states`` is
+    ``None`` when the run resumes its own checkpoint, which holds the weights (the source is not read)."""
+
+    path: Path
+    source_digest: str | None
+    states: Mapping[str, Mapping[str, torch.Tensor]] | None
+    missing: tuple[str, ...] = ()  # ops of this space the source lacks: they keep their seeded init
+
+    def record(self) -> dict[str, Any]:
+        """summary.json's ``init_from``."""
+        return {"path": str(self.path), "params_digest": self.source_digest}
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A run's input, read and checked by :func:`prepare`; nothing written yet."""
 
@@ -106,6 +125,7 @@ class Prepared:
     ckpt_file: Path | None
     layout: Layout = Layout(1, 1)  # pipeline stages x replicas (pipeline/layout.py)
     notes: tuple[str, ...] = ()  # warnings to log once the run's logging is set up
+    init: InitFrom | None = None  # train.init_from, read and checked against the space
 
 
 def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None,
@@ -140,6 +160,8 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     ckpt, ckpt_file = resume_checkpoint(out / CHECKPOINT_NAME, notes.append) if rc.resume else (None, None)
     if ckpt is not None:
         _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
+    # a run that resumes its own checkpoint ignores train.init_from: the checkpoint holds the weights
+    init = _init_from(rc.train.init_from, graph, read=ckpt is None) if rc.train.init_from is not None else None
     from pipeline.feasibility import check_memory, engine_device
 
     try:  # budgets the engine would stop on, from the subnets this run trains (steps from the checkpoint on)
@@ -150,7 +172,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return Prepared(rc, out, config_digest(cfg), fields, tdigest, data, graph, seed_archs, cost, ckpt, ckpt_file,
-                    layout, tuple(notes))
+                    layout, tuple(notes), init)
 
 
 def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = None, *,
@@ -193,6 +215,14 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                 sampler.load_state_dict(ckpt.sampler)
                 start = ckpt.step
                 rlog.info("resuming from %s at step %d", ckpt_file, start)
+            elif p.init is not None and p.init.states is not None:  # every rank: each adopts the ops it owns
+                engine.load_op_states(p.init.states)  # weights and buffers only: the optimizer starts fresh
+                if engine.is_main:
+                    rlog.info("train.init_from: %d ops start from %s (weights and buffers; a fresh optimizer)",
+                              len(p.init.states), p.init.path)
+                    if p.init.missing:
+                        rlog.info("train.init_from: %d ops not in it keep their seeded init: %s%s", len(p.init.missing),
+                                  ", ".join(p.init.missing[:8]), ", ..." if len(p.init.missing) > 8 else "")
             losses: list[float] = []  # the main rank's: metrics.jsonl's kept on a resume, then this run's
             t0 = time.perf_counter()
             # after a fall-back to the previous checkpoint the unreadable latest is replaced, not kept
@@ -229,6 +259,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         "config_digest": p.config_digest,
         "steps": rc.train.steps,
         "resumed_from_step": start,
+        "init_from": p.init.record() if p.init is not None else None,  # train.init_from: the source's path, digest
         "final_loss": _finite(losses[-1]) if losses else None,  # null: not the main rank, or diverged
         "mean_loss_last10": _finite(sum(losses[-10:]) / len(losses[-10:])) if losses else None,
         # train.nonfinite=skip: steps that updated nothing (null: not the main rank)
@@ -319,6 +350,65 @@ def _check_resumable(ckpt: Checkpoint, path: Path, tdigest: str, fields: Mapping
         )
     if not 0 <= ckpt.step <= rc.train.steps:
         raise CheckpointError(f"checkpoint {path}: expected a step in [0, {rc.train.steps}], found {ckpt.step}")
+
+
+_INIT_EXPECTED = "train.init_from: expected a run directory with checkpoint.pt (or a checkpoint file), found"
+
+
+def _init_from(given: str, graph: SupernetGraph, read: bool) -> InitFrom:
+    """``train.init_from``: the checkpoint of a run directory (its ``checkpoint.pt``) or a checkpoint
+    file, its op states checked against ``graph`` (the shapes of every parameter and buffer of each
+    op both have, from a meta build) and kept without their optimizer state. With ``read`` false
+    (the run resumes) only where it is and the source's digest. Raises :class:`ConfigError`."""
+    where = Path(given).expanduser().absolute()
+    path = where if where.is_file() else where / CHECKPOINT_NAME
+    digest = _summary_digest(path)
+    if not read:
+        return InitFrom(path, digest, None)
+    if not where.exists():
+        raise ConfigError(f"{_INIT_EXPECTED} no such path: {where}")
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        raise ConfigError(f"{_INIT_EXPECTED} one that cannot be read: {e}") from None
+    if ckpt is None:
+        raise ConfigError(f"{_INIT_EXPECTED} a directory without one: {where}")
+    shapes: dict[OpSpec, dict[str, tuple[int, ...]]] = {}  # per op spec (one meta build each)
+    states, missing = {}, []
+    for slot in graph.slots():
+        source = ckpt.op_states.get(slot.op_id)
+        if source is None:
+            missing.append(slot.op_id)
+            continue
+        if slot.spec not in shapes:
+            with torch.device("meta"):
+                shapes[slot.spec] = weight_shapes(build_op(slot.spec, slot.op_id, 0, seeded=False))
+        want, weights = shapes[slot.spec], weights_only(source)
+        got = {key: tuple(t.shape) for key, t in weights.items()}
+        if got != want:
+            key = next(k for k in [*want, *got] if want.get(k) != got.get(k))  # the first in the op's order
+            found = f"shape {got[key]}" if key in got else "none"
+            expected = f"{key} of shape {want[key]}" if key in want else f"no {key}"
+            raise ConfigError(f"train.init_from: op {slot.op_id!r} of {path}: expected {expected} (the space trained "
+                              f"here), found {found}; init_from takes a run of the same space (space.* settings)")
+        states[slot.op_id] = weights
+    if not states:
+        raise ConfigError(f"train.init_from: expected a run of this space, found a checkpoint with none of its "
+                          f"{len(missing)} ops: {path} (op ids there: {', '.join(sorted(ckpt.op_states)[:4])}, ...)")
+    return InitFrom(path, digest, states, tuple(missing))
+
+
+def _summary_digest(checkpoint: Path) -> str | None:
+    """The ``params_digest`` of the run whose ``checkpoint.pt`` this is, from its summary.json
+    (``None``: another file, no summary, or none there)."""
+    summary = checkpoint.with_name(SUMMARY_NAME)
+    if checkpoint.name != CHECKPOINT_NAME or not summary.is_file():
+        return None
+    try:
+        digest = json.loads(summary.read_text()).get("params_digest")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return digest if isinstance(digest, str) else None
 
 
 @dataclass(frozen=True)
@@ -414,6 +504,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
                       ", ".join(f"{n} {v:.4f}" if v is not None else f"{n} not finite" for n, v in named.items()),
                       scores["monitor_s"])
 
+    read_batch = _batch_reader(data, t.batch_size, engine.input_rows(t.batch_size))
     bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                disable=not _show_bars(engine), dynamic_ncols=True, leave=False)
     metrics = MetricsWriter(out, start, monitor.columns, t.tensorboard) if engine.is_main else None
@@ -430,7 +521,7 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
             stop.before(step, "step")
             items = []
             for k in range(step, end):
-                x, y = data.train_batch(k, t.batch_size)
+                x, y = read_batch(k)
                 items.append((k, sampler.next(), x, y))
             upcoming = sampler.peek(min(max(PLAN_AHEAD, segment), t.steps - end))  # planned while these run
             due = monitor.due(step, end)  # the last step's record waits for the reference subnets' scores
@@ -454,6 +545,19 @@ def _train(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, out: Path
     if start < t.steps:
         return checkpoint(t.steps)
     return engine.op_states()  # nothing trained: the checkpoint already holds these states
+
+
+def _batch_reader(data: Any, batch_size: int, rows: range | None) -> Callable[[int], tuple[Any, Any]]:
+    """Step -> its training batch: only ``rows`` of it (a replica's share) where the data can read
+    part of a batch (its ``train_batch`` takes ``rows``), else the whole batch (the engine takes
+    its share)."""
+    try:
+        partial = rows is not None and "rows" in inspect.signature(data.train_batch).parameters
+    except (TypeError, ValueError):
+        partial = False
+    if partial:
+        return lambda step: data.train_batch(step, batch_size, rows=rows)
+    return lambda step: data.train_batch(step, batch_size)
 
 
 def _search(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: SubnetCost,

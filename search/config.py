@@ -74,6 +74,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     log_every: int = 50
     nonfinite: str = "stop"  # a step whose loss is not finite: stop the run, or skip (no update)
+    # a run directory (its checkpoint.pt) or checkpoint file whose op weights and buffers a run that
+    # starts afresh begins from, with a fresh optimizer (fine-tuning); null: the seeded init
+    init_from: str | None = None
     # what is recorded while training (search/metrics.py; not in the train digest)
     tensorboard: str | bool = "auto"  # TensorBoard scalars in <run dir>/tb: auto (when installed) | true | false
     monitor_every: int = 200  # steps between scorings of the reference subnets; 0: never
@@ -273,6 +276,7 @@ def _train(root: _Group) -> TrainConfig:
         log_every=g.int("log_every", 50, minimum=1), nonfinite=g.choice("nonfinite", NONFINITE, "stop"),
         tensorboard=_tensorboard(g), monitor_every=g.int("monitor_every", 200, minimum=0),
         monitor_archs=_monitor_archs(g), monitor_samples=g.int("monitor_samples", None, minimum=1, optional=True),
+        init_from=g.str("init_from", None, optional=True),
     )
     g.done()
     return cfg
@@ -526,6 +530,8 @@ def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     keep = ("checkpoint_every",) if mode == "delayed" else ()
     train = {k: v for k, v in data.get("train", {}).items()
              if k not in ("checkpoint_every", *_RECORDING, "nonfinite") or k in keep}
+    if train.get("init_from") is None:  # left out when unset, so runs from before it was a field keep their digest
+        train.pop("init_from", None)
     # the stream order at its defaults is left out, so runs from before it was a choice keep their digest
     sampler = data.get("sampler")
     if isinstance(sampler, Mapping):

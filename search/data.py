@@ -5,6 +5,8 @@ batch_size)`` — a pure function of ``(seed, step)``: each epoch is a permutati
 ``(seed, epoch)``, so a resumed run sees the same batches — ``val_batches(batch_size)`` and
 ``calib_batches(n, batch_size)`` (training samples for batch-norm recalibration, fixed by the
 seed). Any object with these members works; select one with ``_target_`` in the data config.
+A ``train_batch`` that also takes ``rows`` (a range of the batch's rows) lets each pipeline
+replica read only its micro-batches' rows; without it every rank reads the whole batch.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class Dataset(Protocol):
     input_shape: tuple[int, ...]
     num_classes: int
 
-    def train_batch(self, step: int, batch_size: int) -> Batch: ...
+    def train_batch(self, step: int, batch_size: int) -> Batch: ...  # may take rows=range: only those rows
 
     def val_batches(self, batch_size: int) -> list[Batch]: ...
 
@@ -110,9 +112,12 @@ class ArrayDataset:
     def val_size(self) -> int:
         return int(self.x_val.shape[0])
 
-    def train_batch(self, step: int, batch_size: int) -> Batch:
-        """Batch ``step``: epochs of ``train_size // batch_size`` batches (the rest dropped)."""
+    def train_batch(self, step: int, batch_size: int, rows: range | None = None) -> Batch:
+        """Batch ``step``: epochs of ``train_size // batch_size`` batches (the rest dropped); with
+        ``rows``, only those rows of it (a replica's share)."""
         idx = self._order.indices(step, batch_size)
+        if rows is not None:
+            idx = idx[rows.start:rows.stop]
         return self.x_train[idx], self.y_train[idx]
 
     def val_batches(self, batch_size: int) -> list[Batch]:

@@ -96,17 +96,23 @@ def test_same_seed_same_params_digest(tiny_run: tuple[Path, dict], tmp_path: Pat
     assert other["params_digest"] != first["params_digest"]
 
 
-def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_run: tuple[Path, dict], tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    out, uninterrupted = tiny_run
+def crash_at(monkeypatch: pytest.MonkeyPatch, at: int):
+    """Make the one-process engine raise ("node lost") at step ``at``; returns the real step."""
     real_step = pipeline.reference.ReferenceEngine.train_step
 
-    def crash_at_step_7(self, step, arch, x, y):
-        if step == 7:
+    def crashing(self, step, arch, x, y):
+        if step == at:
             raise RuntimeError("node lost")
         return real_step(self, step, arch, x, y)
 
-    monkeypatch.setattr(pipeline.reference.ReferenceEngine, "train_step", crash_at_step_7)
+    monkeypatch.setattr(pipeline.reference.ReferenceEngine, "train_step", crashing)
+    return real_step
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_run: tuple[Path, dict], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    out, uninterrupted = tiny_run
+    real_step = crash_at(monkeypatch, 7)
     with pytest.raises(RuntimeError, match="node lost"):
         run(make_cfg(), output_dir=tmp_path)
     assert load_checkpoint(tmp_path / "checkpoint.pt").step == 5  # checkpoint_every=5

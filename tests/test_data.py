@@ -80,3 +80,12 @@ def test_synthetic_is_fixed_by_teacher_seed_and_learnable() -> None:
     assert float(((xv @ w).argmax(-1) == a.y_val).float().mean()) > 0.6
     with pytest.raises(DataError, match=r"data.input_shape: expected a list of positive integers, found \[3, 0\]"):
         Synthetic(input_shape=(3, 0))
+
+
+def test_rows_of_a_batch_are_that_part_of_the_whole(digits: Digits) -> None:
+    """What a pipeline replica reads (its micro-batches' rows) is exactly its part of the batch."""
+    for step in (0, 7, 40):
+        x, y = digits.train_batch(step, 64)
+        for rows in (range(0, 32), range(32, 64), range(16, 48)):
+            xr, yr = digits.train_batch(step, 64, rows=rows)
+            assert torch.equal(xr, x[rows.start:rows.stop]) and torch.equal(yr, y[rows.start:rows.stop])

@@ -16,7 +16,7 @@ def test_layout_puts_a_replicas_stages_on_consecutive_ranks() -> None:
 
 
 def test_config_errors_name_the_field() -> None:
-    with pytest.raises(MeshError, match=r"^pipeline\.stages: expected a divisor of the world size 4"):
+    with pytest.raises(MeshError, match=r"^pipeline\.stages: expected a divisor of the number of processes 4"):
         Mesh.of(0, 4, 3, microbatches=4)
     with pytest.raises(MeshError, match=r"^train\.microbatches: expected a multiple of the replica count 4"):
         Mesh.of(0, 4, 1, microbatches=6)
@@ -54,3 +54,22 @@ def test_settings_accept_auto_and_name_bad_fields() -> None:
         PipelineSettings(stages="deep")
     with pytest.raises(ValueError, match=r"^pipeline\.reduce: expected 'exact' or 'fast'"):
         PipelineSettings(reduce="ring")
+
+
+def test_a_replica_takes_its_share_from_the_whole_batch_or_its_rows() -> None:
+    import torch
+
+    from pipeline.runtime import share_of
+
+    x, y = torch.arange(24.0).reshape(12, 2), torch.arange(12)
+    cpu = torch.device("cpu")
+    for replicas, k in ((2, 0), (2, 1), (4, 3)):
+        m = Mesh.of(k, replicas, 1, microbatches=4)
+        share = m.microbatches(4)
+        rows = range(share.start * 3, share.stop * 3)  # 12 rows / 4 micro-batches
+        whole, size = share_of(x, y, 12, 4, share, cpu)
+        part, size2 = share_of(x[rows.start:rows.stop], y[rows.start:rows.stop], 12, 4, share, cpu)
+        assert size == size2 == 12 and len(whole) == len(part) == len(share)
+        assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(whole, part))
+    with pytest.raises(ValueError, match="expected the whole batch"):
+        share_of(x[:5], y[:5], 12, 4, range(0, 2), cpu)

@@ -22,7 +22,7 @@ from search.evolution import SubnetCost
 from search.metrics import STEP_FIELDS, MetricsWriter, Monitor, reference_archs, tensorboard_available
 from supernet import SearchSpaceError
 from supernet.spaces import conv
-from tests.test_app import ROOT, TINY, TINY_CONV, make_cfg, read_metrics
+from tests.test_app import ROOT, TINY, TINY_CONV, crash_at, make_cfg, read_metrics
 
 MONITORED = ["monitor/smallest", "monitor/middle", "monitor/largest"]
 DELAYED = ["pipeline.window=4", "pipeline.shared_ops=delayed", "pipeline.shared_delay=1", "sampler=fair"]
@@ -168,14 +168,7 @@ def test_scoring_leaves_delayed_shared_ops_alone(runs: dict, tmp_path: Path, cap
 def test_resume_keeps_csv_and_tensorboard_consistent(runs: dict, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     out, uninterrupted = runs["monitored"]
-    real_step = pipeline.reference.ReferenceEngine.train_step
-
-    def crash_at_step_7(self, step, arch, x, y):
-        if step == 7:
-            raise RuntimeError("node lost")
-        return real_step(self, step, arch, x, y)
-
-    monkeypatch.setattr(pipeline.reference.ReferenceEngine, "train_step", crash_at_step_7)
+    real_step = crash_at(monkeypatch, 7)
     with pytest.raises(RuntimeError, match="node lost"):
         run(make_cfg("train.monitor_every=4"), output_dir=tmp_path)
     assert [m["step"] for m in assert_csv_is_jsonl(tmp_path)] == list(range(7))  # the checkpoint is at step 5

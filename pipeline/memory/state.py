@@ -1,7 +1,8 @@
 """An op's state: its flat form (names to tensors) and its byte layout (slots in one buffer).
 
 The flat form is what travels: migration, checkpoints, the digest and ``TensorManager.export``/
-``adopt`` all use it, so an op's weights and its optimizer state always move together::
+``adopt`` all use it, so an op's weights and its optimizer state always move together (a state
+without ``optim/`` entries, :func:`weights_only`, loads the weights and leaves the optimizer fresh)::
 
     param/<name>          a parameter (``module.named_parameters()`` order)
     buffer/<name>         a buffer (batch norm's running statistics)
@@ -23,7 +24,8 @@ import torch
 from torch import nn
 
 __all__ = ["OpState", "param_key", "buffer_key", "optim_key", "split_optim", "optim_tensors", "flat_tensors", "load_flat",
-           "params_digest", "Slot", "OpLayout", "op_layout", "optim_state_keys", "alignment_for"]
+           "weights_only", "weight_shapes", "params_digest", "Slot", "OpLayout", "op_layout", "optim_state_keys",
+           "alignment_for"]
 
 OpState = dict[str, torch.Tensor]
 
@@ -82,6 +84,20 @@ def load_flat(module: nn.Module, opt: torch.optim.Optimizer, state: Mapping[str,
     params = list(module.parameters())
     for i, entry in split_optim(state).items():
         opt.state[params[i]] = {k: t.to(device) for k, t in entry.items()}
+
+
+def weights_only(state: Mapping[str, torch.Tensor]) -> OpState:
+    """A flat state's parameters and buffers, its optimizer entries left out: an op adopted from
+    it (``load_flat``) has these weights and builds its optimizer state afresh at its first step."""
+    return {key: t for key, t in state.items() if key.startswith(("param/", "buffer/"))}
+
+
+def weight_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The flat keys and shapes of a module's parameters and buffers (a meta build will do):
+    what a flat state must hold to be loaded into it."""
+    shapes = {param_key(name): tuple(p.shape) for name, p in module.named_parameters()}
+    shapes.update((buffer_key(name), tuple(b.shape)) for name, b in module.named_buffers())
+    return shapes
 
 
 def params_digest(states: Mapping[str, Mapping[str, torch.Tensor]]) -> str:
