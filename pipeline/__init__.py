@@ -27,23 +27,29 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
                   settings: PipelineSettings, device: str = "auto", env: DistEnv | None = None,
                   failure_dir: str | None = None, memory: MemorySettings | None = None,
                   trace_steps: Iterable[int] = (), checkpoint_every: int = 0,
-                  sample_shape: tuple[int, ...] | None = None, batch_size: int | None = None) -> Engine:
+                  sample_shape: tuple[int, ...] | None = None, batch_size: int | None = None,
+                  clip_grad_norm: float | None = None) -> Engine:
     """The engine for this process: the reference outside torchrun (``env`` is ``None`` and no
     RANK/WORLD_SIZE is set), else one pipeline stage per rank. ``failure_dir`` (the run
     directory's ``failures/``) is where a failing rank leaves the note its peers quote.
     ``memory``: the tensor manager's device budget (per process: per stage under torchrun).
     ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them).
     ``sample_shape`` and ``batch_size``: what ``pipeline.stages: auto`` plans the mesh for.
+    ``clip_grad_norm``: clip each subnet's gradients to this global L2 norm (None: off;
+    :class:`pipeline.engine.GradClip`; flushed steps only, the config refuses it with a window).
     ``checkpoint_every``: where the run's checkpoint boundaries fall (delayed shared ops read no
     version from before the last one, so a resumed run computes what an uninterrupted one does)."""
     env = env if env is not None else dist_env()
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if clip_grad_norm is not None and settings.cross:
+        raise ValueError(f"clip_grad_norm: expected pipeline.window 1 and shared_ops exact, found window "
+                         f"{settings.window} and shared_ops {settings.shared_ops!r} (cross-subnet updates do not clip)")
     if env is None:
         return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps,
                                shared_ops=settings.shared_ops, shared_delay=settings.shared_delay,
-                               checkpoint_every=checkpoint_every)
+                               checkpoint_every=checkpoint_every, clip_grad_norm=clip_grad_norm)
     from .runtime import PipelineEngine
 
     return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
                           trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every,
-                          sample_shape=sample_shape, batch_size=batch_size)
+                          sample_shape=sample_shape, batch_size=batch_size, clip_grad_norm=clip_grad_norm)

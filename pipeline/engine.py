@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
     "split_batch", "update", "activation_policy", "StepInput", "lookahead", "step_by_step", "PLAN_AHEAD",
+    "GradClip", "grad_sq_sums",
 ]
 
 StepInput = tuple  # (step, arch, x, y): one training step handed to ``Engine.train_steps``
@@ -135,11 +136,65 @@ class LrSchedule:
         return self.min_lr + 0.5 * (self.base - self.min_lr) * (1 + math.cos(math.pi * min(1.0, t)))
 
 
-def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequence[float]) -> bool:
+def grad_sq_sums(modules: Sequence[nn.Module], device: torch.device) -> torch.Tensor:
+    """Per op (``modules`` in op order), the sum of squares of its gradients in float64:
+    ``g.double().pow(2).sum()`` per parameter, added in the module's parameter order (no
+    gradient: 0). Shape (n,), on ``device``."""
+    out = torch.zeros(len(modules), dtype=torch.float64, device=device)
+    for i, m in enumerate(modules):
+        for p in m.parameters():
+            if p.grad is not None:
+                out[i] += p.grad.double().pow(2).sum()
+    return out
+
+
+@dataclass(frozen=True)
+class GradClip:
+    """``train.clip_grad_norm``: scale a subnet's gradients so that their global L2 norm is at
+    most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule, ``scale = min(1, max_norm /
+    (norm + 1e-6))``), the same float in every layout.
+
+    The norm is the square root of a float64 sum, over the subnet's active ops in the graph's op
+    order (``graph.active_ops(arch)``), of each op's sum of squares (:func:`grad_sq_sums`),
+    added one by one on the host. A process holding only some ops (a pipeline stage) passes
+    ``exchange``: it takes this process's per-op sums and returns the whole subnet's vector in
+    op order, the same bits on every rank (the pipeline: an all-reduce over the stage group
+    where every other stage contributes exact zeros). One process: no exchange."""
+
+    max_norm: float
+
+    def __post_init__(self) -> None:
+        if not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ValueError(f"train.clip_grad_norm: expected a positive number or null, found {self.max_norm!r}")
+
+    def __call__(self, modules: Sequence[nn.Module], device: torch.device,
+                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+        """Clip the gradients of ``modules`` (this process's ops of the subnet, in op order) in
+        place; returns the global norm before clipping (a collective when ``exchange`` is given)."""
+        sums = grad_sq_sums(modules, device)
+        total = 0.0
+        for v in (exchange(sums) if exchange is not None else sums).tolist():  # op order, on every rank alike
+            total += v
+        norm = math.sqrt(total)
+        scale = self.max_norm / (norm + 1e-6)
+        if scale < 1.0:  # (a scale of 1 changes no bit)
+            for m in modules:
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
+
+
+def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequence[float],
+           clip: Callable[[Sequence[nn.Module]], float] | None = None) -> bool:
     """The optimizer step of ``op_ids``, unless a micro-batch loss is not finite: then the
     step's gradients are dropped and nothing changes (the caller stops or skips the step).
-    Returns whether it updated."""
+    ``clip``: called with the modules of ``op_ids`` (in op order) before the step, once the
+    losses are known finite (every rank decides alike: a collective is safe there). Returns
+    whether it updated."""
     if all(math.isfinite(v) for v in microbatch_losses):
+        if clip is not None:
+            clip([tensors.module(op) for op in op_ids])
         tensors.step(op_ids, lr)
         return True
     tensors.zero_grad(op_ids)

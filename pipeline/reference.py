@@ -21,8 +21,8 @@ import torch
 from supernet import Arch, SliceRun, SupernetGraph, classification_loss, op_contexts
 from supernet.execute import whole_slice
 
-from .engine import (EvalResult, LrSchedule, StepResult, activation_policy, calibrate, graph_has_batchnorm,
-                     recalibrated_bn, score_batches, split_batch, step_by_step, update)
+from .engine import (EvalResult, GradClip, LrSchedule, StepResult, activation_policy, calibrate,
+                     graph_has_batchnorm, recalibrated_bn, score_batches, split_batch, step_by_step, update)
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .memory.sizing import check_largest_subnet
 from .plan.costs import CostTable, analytic_costs, subnet_problem
@@ -49,8 +49,10 @@ class ReferenceEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int,
                  lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None,
                  trace_steps: Iterable[int] = (), shared_ops: str = "exact", shared_delay: int = 1,
-                 checkpoint_every: int = 0) -> None:
+                 checkpoint_every: int = 0, clip_grad_norm: float | None = None) -> None:
         self.graph = graph
+        # train.clip_grad_norm: the subnet's ops are all here, in op order (no exchange)
+        self._clip = GradClip(clip_grad_norm) if clip_grad_norm is not None else None
         self.seed = seed
         self.microbatches = microbatches
         self.lr = lr
@@ -112,7 +114,8 @@ class ReferenceEngine:
                 run.backward_loss(loss)
             losses.append(loss.item())
         with span(step, "optimizer", "optimizer"), self.shared.updating(ops, step) as stepped:
-            update(self.tensors, stepped, self.lr(step), losses)  # nothing changes when a loss is not finite
+            clip = (lambda mods: self._clip(mods, self.device)) if self._clip is not None else None  # noqa: E731
+            update(self.tensors, stepped, self.lr(step), losses, clip)  # nothing changes when a loss is not finite
         mem = self.tensors.release_step()
         return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
 

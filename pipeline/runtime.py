@@ -39,8 +39,8 @@ from supernet import Arch, SupernetGraph
 
 from .agreement import Agreement, AgreementError
 from .evaluation import evaluate_stage
-from .engine import (EvalResult, LrSchedule, StepInput, StepResult, activation_policy, graph_has_batchnorm,
-                     split_batch, step_by_step, update)
+from .engine import (EvalResult, GradClip, LrSchedule, StepInput, StepResult, activation_policy,
+                     graph_has_batchnorm, split_batch, step_by_step, update)
 from .failures import FailureReporter, StageFailure, parse_fault
 from .lookahead import LookaheadPlanner, Plan
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
@@ -130,8 +130,9 @@ class PipelineEngine:
                  failure_dir: str | os.PathLike | None = None, costs: CostTable | None = None,
                  trace_steps: Iterable[int] = (), memory: MemorySettings | None = None,
                  checkpoint_every: int = 0, sample_shape: Sequence[int] | None = None,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None, clip_grad_norm: float | None = None) -> None:
         self.graph, self.seed, self.optim, self.lr = graph, seed, optim, lr
+        self.clip = GradClip(clip_grad_norm) if clip_grad_norm is not None else None  # train.clip_grad_norm
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
         self.batch_size = batch_size  # the whole training batch (a replica may be given only its rows)
@@ -140,7 +141,7 @@ class PipelineEngine:
         # anything was written (pipeline/layout.py).
         layout = resolve_layout(settings, memory, env.world_size, microbatches, graph, optim.name, sample_shape,
                                 batch_size)
-        if settings.stages == "auto":
+        if settings.stages == "auto" and env.rank == 0:
             log.info("pipeline.stages=auto: %d stages x %d replicas (predicted %.1f samples/s)", layout.stages,
                      layout.replicas, layout.predicted_samples_per_s)
         self.mesh = Mesh.of(env.rank, env.world_size, layout.stages, microbatches)
@@ -312,7 +313,7 @@ class PipelineEngine:
             if self.reducer is not None:
                 with self.tracer.span(step, "reduce", "reduce"):
                     mb_losses = self.reducer.fold(mb_losses, [self.tensors.module(op.op_id) for op in mine.ops])
-            update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses)
+            update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses, self._clipper(step, plan))
             memory = self.tensors.release_step()
             opt_s = time.perf_counter() - a0
         wall = time.perf_counter() - t0
@@ -322,6 +323,27 @@ class PipelineEngine:
         return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
                           st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory,
                           migration_s=st.migration_s)
+
+    def _clipper(self, step: int, plan: Plan):
+        """``train.clip_grad_norm`` for a flushed step of ``plan``: this stage's per-op sums of
+        squares go into a vector of the whole subnet's ops at this stage's offset (zeros
+        elsewhere), one all-reduce over this replica's stages adds them exactly (x + 0 = x), and
+        every rank adds the entries in op order: the norm one process computes. With replicas it
+        runs after the fold, on gradients every replica holds alike. None: no clipping."""
+        if self.clip is None:
+            return None
+        sizes = [len(sl.ops) for sl in plan.slices]
+        lo, n = sum(sizes[:self.stage_index]), sum(sizes)
+
+        def exchange(mine: torch.Tensor) -> torch.Tensor:
+            full = torch.zeros(n, dtype=torch.float64, device=self.device)
+            full[lo:lo + mine.numel()] = mine
+            with (self.tracer.span(step, "clip norm", "reduce"),
+                  peer_errors("summing the gradient norm over the stages")):
+                dist.all_reduce(full, group=self.transport.group)
+            return full
+
+        return lambda mods: self.clip(mods, self.device, exchange if self.num_stages > 1 else None)
 
     def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
         """Train ``items`` in order: one flushed step each (``pipeline.window`` 1, exact shared

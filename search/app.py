@@ -198,7 +198,8 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
     engine = create_engine(graph, rc.seed, rc.train.optimizer, rc.train.microbatches, rc.train.schedule(),
                            rc.pipeline, rc.device, failure_dir=str(out / "failures"), memory=rc.memory,
                            trace_steps=tuple(rc.pipeline.trace_steps), checkpoint_every=rc.train.checkpoint_every,
-                           sample_shape=tuple(data.input_shape), batch_size=rc.train.batch_size)
+                           sample_shape=tuple(data.input_shape), batch_size=rc.train.batch_size,
+                           clip_grad_norm=rc.train.clip_grad_norm)
     rlog = _RankLog(log, {"rank": engine.rank})
     # On a terminal log lines go through the progress bar instead of tearing it
     with logging_redirect_tqdm() if _show_bars(engine) else nullcontext():

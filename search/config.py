@@ -77,6 +77,9 @@ class TrainConfig:
     # a run directory (its checkpoint.pt) or checkpoint file whose op weights and buffers a run that
     # starts afresh begins from, with a fresh optimizer (fine-tuning); null: the seeded init
     init_from: str | None = None
+    # clip each subnet's gradients to this global L2 norm before its update, the same bits in every
+    # layout (pipeline.engine.GradClip); null: off. Flushed steps only (pipeline.window 1, exact shared ops)
+    clip_grad_norm: float | None = None
     # what is recorded while training (search/metrics.py; not in the train digest)
     tensorboard: str | bool = "auto"  # TensorBoard scalars in <run dir>/tb: auto (when installed) | true | false
     monitor_every: int = 200  # steps between scorings of the reference subnets; 0: never
@@ -277,6 +280,7 @@ def _train(root: _Group) -> TrainConfig:
         tensorboard=_tensorboard(g), monitor_every=g.int("monitor_every", 200, minimum=0),
         monitor_archs=_monitor_archs(g), monitor_samples=g.int("monitor_samples", None, minimum=1, optional=True),
         init_from=g.str("init_from", None, optional=True),
+        clip_grad_norm=None if g._get("clip_grad_norm", None) is None else g.float("clip_grad_norm", positive=True),
     )
     g.done()
     return cfg
@@ -405,6 +409,12 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
         raise ConfigError("pipeline.memory_budget_bytes: expected null when the tensor manager has a budget "
                           f"(memory.device_budget_bytes or device_budget_fraction), found "
                           f"{run.pipeline.memory_budget_bytes!r}: the manager's arena bounds each stage's split")
+    if run.train.clip_grad_norm is not None and run.pipeline.cross:
+        raise ConfigError(f"train.clip_grad_norm / pipeline.window, pipeline.shared_ops: expected window 1 and "
+                          f"shared_ops exact with clipping, found window {run.pipeline.window} and shared_ops "
+                          f"{run.pipeline.shared_ops!r}: a subnet's update inside a cross-subnet schedule cannot yet "
+                          "wait for the other stages' gradient norms; set train.clip_grad_norm=null, or window=1 "
+                          "and shared_ops=exact")
     if run.memory.virtual and run.pipeline.cross:
         raise ConfigError(f"pipeline.window / pipeline.shared_ops: expected window 1 and shared_ops exact with a "
                           f"tensor-manager budget (memory.device_budget_bytes or device_budget_fraction), found window "
@@ -530,8 +540,9 @@ def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     keep = ("checkpoint_every",) if mode == "delayed" else ()
     train = {k: v for k, v in data.get("train", {}).items()
              if k not in ("checkpoint_every", *_RECORDING, "nonfinite") or k in keep}
-    if train.get("init_from") is None:  # left out when unset, so runs from before it was a field keep their digest
-        train.pop("init_from", None)
+    for key in ("init_from", "clip_grad_norm"):  # left out when unset: older runs keep their digest
+        if train.get(key) is None:
+            train.pop(key, None)
     # the stream order at its defaults is left out, so runs from before it was a choice keep their digest
     sampler = data.get("sampler")
     if isinstance(sampler, Mapping):

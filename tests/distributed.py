@@ -53,6 +53,7 @@ class Scenario:
     checkpoint_every: int = 0  # where checkpoint boundaries fall (delayed shared ops restart there)
     sampler: str = "random"  # random (seeded uniform draws) or a search.samplers name (uniform, fair)
     order: str = "stream"  # the search.samplers sampler's order (stream or locality)
+    clip: float | None = None  # train.clip_grad_norm (None: off)
 
 
 def build_graph(space: str):
@@ -86,7 +87,8 @@ def make_engine(sc: Scenario, graph, env=None):
     settings = PipelineSettings(schedule=sc.schedule, planner=sc.planner, timeout_s=30.0, **sc.extra)
     memory = MemorySettings(**sc.memory) if sc.memory else None
     return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env, memory=memory,
-                         trace_steps=tuple(sc.trace_steps), checkpoint_every=sc.checkpoint_every)
+                         trace_steps=tuple(sc.trace_steps), checkpoint_every=sc.checkpoint_every,
+                         clip_grad_norm=sc.clip)
 
 
 def run_scenario(sc: Scenario, env=None) -> dict:

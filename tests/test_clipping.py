@@ -1,0 +1,147 @@
+"""``train.clip_grad_norm``: the subnet's gradients clipped to a global L2 norm, the same bits in
+every layout.
+
+* The reference engine against the oracle (tests/oracle.py, plain PyTorch, nothing from
+  ``pipeline``) with the rule written here once more: per op a float64 sum of squares, added in
+  op order, ``scale = max_norm / (norm + 1e-6)`` when below 1. The norm is also checked against
+  torch's own ``get_total_norm``, and clipping must trigger.
+* One process against P = 2 flushed stages (ops migrating; a tensor-manager budget with host
+  updates too), the (1, 2) and the (2, 2) mesh: the same losses and ``params_digest``.
+* The config: a bad value and the combinations refused (cross-subnet schedules).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import oracle as oracle_module
+from distributed import Scenario, assert_same_as_reference, build_graph, one_process, spawn
+from search.config import ConfigError, load_config, train_fields
+from test_config import make_cfg
+from test_delayed_oracle import assert_same_states, engine, oracle
+from test_memory_pipeline import budgeted
+
+CLIP = 0.5  # below the conv space's gradient norms early on (checked): clipping triggers
+MIGRATING = {"eps": 0.0, "objective": "minmax"}
+
+
+class _ClippedOptimizer:
+    """The oracle's optimizer with clipping before each step: ``ops`` are every op's module in
+    the graph's slot order (an op outside the subnet has no gradient and adds an exact 0)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, ops: list, max_norm: float, norms: list[float]) -> None:
+        self.opt, self.ops, self.max_norm, self.norms = opt, ops, max_norm, norms
+        self.param_groups, self.state = opt.param_groups, opt.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        total = 0.0
+        for m in self.ops:
+            s = torch.zeros((), dtype=torch.float64)
+            for p in m.parameters():
+                if p.grad is not None:
+                    s += p.grad.double().pow(2).sum()
+            total += s.item()
+        norm = math.sqrt(total)
+        grads = [p.grad for m in self.ops for p in m.parameters() if p.grad is not None]
+        assert norm == pytest.approx(float(torch.nn.utils.get_total_norm(grads)), rel=1e-5)  # the standard norm
+        self.norms.append(norm)
+        coef = self.max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        self.opt.step()
+
+
+def clipped_oracle(sc: Scenario, monkeypatch: pytest.MonkeyPatch) -> tuple[oracle_module.OracleRun, list[float]]:
+    built: list = []
+    norms: list[float] = []
+    n = len(build_graph(sc.space).slots())
+    build, make = oracle_module.build_op, oracle_module._optimizer
+
+    def recording_build(*args, **kwargs):
+        m = build(*args, **kwargs)
+        built.append(m)
+        return m
+
+    monkeypatch.setattr(oracle_module, "build_op", recording_build)
+    monkeypatch.setattr(oracle_module, "_optimizer",
+                        lambda optim, params: _ClippedOptimizer(make(optim, params), built[:n], sc.clip, norms))
+    run = oracle(sc)
+    monkeypatch.undo()
+    return run, norms
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_reference_engine_clips_as_plain_pytorch(optimizer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sc = Scenario("conv", "1f1b", steps=5, optimizer=optimizer, clip=CLIP)
+    graph = build_graph(sc.space)
+    order = [s.op_id for s in graph.slots()]
+    arch = graph.space().random(__import__("random").Random(0))
+    active = [op.op_id for op in graph.active_ops(arch)]
+    assert active == [o for o in order if o in set(active)], "premise: slot order restricted to a subnet = op order"
+    want, norms = clipped_oracle(sc, monkeypatch)
+    assert sum(nm > CLIP for nm in norms) >= 3, f"clipping should trigger: norms {norms}"
+    res, states = engine(sc)
+    assert res["mb_losses"] == [list(mb) for mb in want.losses], "micro-batch losses differ from the oracle's"
+    assert_same_states(states, want.states, f"clip {optimizer}")
+    plain = oracle(dataclasses.replace(sc, clip=None))
+    assert plain.losses != want.losses, "clipping changed nothing: the comparison would not cover it"
+
+
+P2 = [
+    Scenario("conv", "1f1b", steps=5, extra=MIGRATING, clip=CLIP),
+    Scenario("transformer", "gpipe", steps=4, optimizer="adamw", extra=MIGRATING, clip=CLIP),
+    dataclasses.replace(budgeted(Scenario("conv", "gpipe", steps=4, extra=MIGRATING, clip=CLIP), 2),
+                        memory={**budgeted(Scenario("conv", "gpipe", steps=4), 2).memory, "optimizer": "host"}),
+    Scenario("conv", "1f1b", steps=4, extra={**MIGRATING, "stages": 1}, clip=CLIP),  # (1, 2): data parallel
+]
+MESH = [Scenario("conv", "1f1b", steps=4, extra={**MIGRATING, "stages": 2}, clip=CLIP),
+        Scenario("transformer", "1f1b", steps=4, optimizer="adamw", extra={**MIGRATING, "stages": 2}, clip=CLIP)]
+
+
+def reference(sc: Scenario) -> dict:
+    """One process, all resident (the same ``clip``)."""
+    extra = {k: v for k, v in sc.extra.items() if k != "stages"}
+    return one_process(dataclasses.replace(sc, extra=extra, memory={}))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,scenarios", [(2, P2), (4, MESH)], ids=["P2-and-1x2", "2x2"])
+def test_clipped_layouts_are_bit_identical_to_one_process(world: int, scenarios: list[Scenario]) -> None:
+    results, _, _ = spawn(world, scenarios, timeout_s=300)
+    for sc, got in zip(scenarios, results):
+        stages = sc.extra.get("stages", world)
+        label = f"{sc.space}/{sc.schedule}/{sc.optimizer} world {world} stages {stages} {sc.memory}"
+        ref = reference(sc)
+        assert_same_as_reference(got, ref, label)
+        unclipped = reference(dataclasses.replace(sc, clip=None))
+        assert unclipped["losses"] != ref["losses"], f"{label}: clipping should change the run"
+    if world == 2:
+        assert sum(results[2]["host_updates"]) > 0 and sum(results[2]["evictions"]) > 0, "the budget should bite"
+
+
+def test_config_reads_checks_and_digests_clip_grad_norm() -> None:
+    assert load_config(make_cfg()).train.clip_grad_norm is None
+    assert load_config(make_cfg("train.clip_grad_norm=1.5")).train.clip_grad_norm == 1.5
+    for bad in ("-1", "0", "nan", "abc"):
+        with pytest.raises(ConfigError, match="train.clip_grad_norm"):
+            load_config(make_cfg(f"train.clip_grad_norm={bad}"))
+    for cross in ("pipeline.window=2", "pipeline.shared_ops=delayed", "pipeline.shared_ops=frozen"):
+        with pytest.raises(ConfigError, match=r"train.clip_grad_norm / pipeline.window, pipeline.shared_ops"):
+            load_config(make_cfg("train.clip_grad_norm=1.0", cross))
+    # null is left out of the train digest (older checkpoints keep resuming); a value is in it
+    assert "clip_grad_norm" not in train_fields(make_cfg())["train"]
+    assert train_fields(make_cfg("train.clip_grad_norm=1.0"))["train"]["clip_grad_norm"] == 1.0
+
+
+def test_engines_refuse_clipping_with_cross_subnet_schedules() -> None:
+    from distributed import make_engine
+
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        make_engine(Scenario("conv", "1f1b", extra={"shared_ops": "delayed"}, clip=1.0), build_graph("conv"))
