@@ -28,12 +28,13 @@ import torch
 
 from pipeline.files import atomic_write_bytes, atomic_write_text
 
-__all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
+__all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "SUMMARY_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
            "load_checkpoint", "resume_checkpoint", "remove_temporaries", "previous_path", "atomic_write_bytes",
            "atomic_write_text"]
 
 FORMAT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint.pt"
+SUMMARY_NAME = "summary.json"  # the run's result, beside its checkpoint (search.app writes it)
 PREVIOUS_NAME = "checkpoint.prev.pt"
 
 log = logging.getLogger(__name__)

@@ -48,8 +48,8 @@ from pipeline.memory.state import load_flat
 from supernet import Arch, Subnet, Supernet, SupernetGraph
 from supernet.execute import whole_slice
 
-from .app import SUMMARY_NAME, check_writable
-from .checkpoint import CHECKPOINT_NAME, atomic_write_bytes, atomic_write_text, load_checkpoint
+from .app import check_writable
+from .checkpoint import CHECKPOINT_NAME, SUMMARY_NAME, atomic_write_bytes, atomic_write_text, load_checkpoint
 from .config import RunConfig, TargetConfig, build_data, build_space, config_digest, load_config
 
 __all__ = ["ExportError", "Exported", "export", "load_module", "subnet_module", "main", "MODEL_NAME", "PROGRAM_NAME",

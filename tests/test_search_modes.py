@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import search.app
-from search.app import _Progress, run
+import search.scoring
+from search.app import run
+from search.scoring import Progress
 from search.checkpoint import load_checkpoint
 from search.config import ConfigError, load_config
 from tests.cli_driver import Case, run_cases
@@ -112,14 +113,14 @@ class FakeClock:
 def test_progress_lines_at_most_one_per_interval_and_the_last(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     logger = logging.LoggerAdapter(logging.getLogger("test.progress"), {})
-    progress = _Progress("search (evolution)", 10, logger, clock)
+    progress = Progress("search (evolution)", 10, logger, clock)
     with caplog.at_level(logging.INFO, "test.progress"):
         for i, score in enumerate([0.1, 0.3, float("-inf"), 0.2, 0.5, 0.4, 0.1, 0.2, 0.6, 0.3]):
             clock.now += 1.5  # an arch every 1.5 s: a line every 4th arch (6 s >= 5 s)
             progress.update(score)
         progress.finish()
         progress.finish()  # nothing new: no line
-    assert search.app.PROGRESS_EVERY_S == 5.0
+    assert search.scoring.PROGRESS_EVERY_S == 5.0
     assert [r.getMessage() for r in caplog.records] == [
         "search (evolution): 4/10 archs scored, best val accuracy 0.3000, 0.7 archs/s",
         "search (evolution): 8/10 archs scored, best val accuracy 0.5000, 0.7 archs/s",
@@ -131,7 +132,7 @@ def test_progress_lines_at_most_one_per_interval_and_the_last(caplog: pytest.Log
 def test_the_search_logs_progress_off_a_terminal(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                  monkeypatch: pytest.MonkeyPatch, every_s: float,
                                                  counts: list[int]) -> None:
-    monkeypatch.setattr(search.app, "PROGRESS_EVERY_S", every_s)
+    monkeypatch.setattr(search.scoring, "PROGRESS_EVERY_S", every_s)
     with caplog.at_level(logging.INFO, "search.app"):
         summary = run(make_cfg(), output_dir=tmp_path)
     lines = [m for r in caplog.records if (m := r.getMessage()).startswith("[rank 0] search (evolution): ")]
