@@ -43,13 +43,29 @@ class Result:
         return [line for line in self.stderr.splitlines() if line.startswith(("error:", "interrupted:"))]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a command a test starts: this one's without the torchrun, fault and
+    full-error variables, the repository first on ``PYTHONPATH`` (``tests.*`` spaces import), and
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR", "PIPENAS_FAULT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def torchrun_search(args: list[str], cwd: str | Path, nproc: int = 2, timeout_s: float = 300.0,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=<nproc> -m search <args>`` in ``cwd``, output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "search",
+           *args]
+    return subprocess.run(cmd, cwd=cwd, env=child_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
 def run_cases(cases: list[Case], timeout_s: float = 600.0) -> list[Result]:
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-cli-"))
     (tmp / "spec.json").write_text(json.dumps([asdict(c) for c in cases]))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR", "PIPENAS_FAULT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, str(Path(__file__)), str(tmp)], env=env, cwd=str(ROOT), capture_output=True,
-                       text=True, timeout=timeout_s)
+    p = subprocess.run([sys.executable, str(Path(__file__)), str(tmp)], env=child_env(), cwd=str(ROOT),
+                       capture_output=True, text=True, timeout=timeout_s)
     out = tmp / "results.jsonl"
     results = [Result(**json.loads(line)) for line in out.read_text().splitlines()] if out.exists() else []
     if cases and cases[-1].ends_process and len(results) == len(cases) - 1:

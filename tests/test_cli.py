@@ -24,7 +24,7 @@ from search.app import run
 from search.checkpoint import load_checkpoint
 from search.evolution import SubnetCost
 from supernet.spaces import conv
-from tests.cli_driver import Case, Result, run_cases
+from tests.cli_driver import Case, Result, child_env, run_cases
 from tests.test_app import TINY, TINY_CONV, make_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,8 +277,7 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
     rank 1 while migrating (attempt 2); attempt 3 gets a Ctrl-C (SIGINT to torchrun's agent) and
     stops with a checkpoint; the same command again finishes it."""
     tmp_cli, results = cli
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = child_env()
     args = TORCHRUN_CMD[TORCHRUN_CMD.index("search") + 1:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
     faults = "1:5:1F1:kill:0,0:20:checkpoint:kill:1,1:23:migrate:kill:2,0:25:step:interrupt:3"

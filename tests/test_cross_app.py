@@ -8,14 +8,12 @@ is lost: the resumed run ends with the same digest) and the summary's record of 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from search.app import run
+from tests.cli_driver import torchrun_search
 from tests.test_app import ROOT, TINY, TINY_CONV, make_cfg
 from tests.test_divergence import DIVERGING
 
@@ -51,11 +49,8 @@ def test_delayed_reads_change_the_train_digest() -> None:
 
 @pytest.mark.dist
 def test_torchrun_cross_subnet_matches_one_process_and_resumes(one_process: dict, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     args = [*TINY_CONV, *TINY, *DELAYED, "pipeline.timeout_s=60", "pipeline.trace_steps=[6]", f"hydra.run.dir={tmp_path}/run"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
-    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first = torchrun_search(args, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -69,7 +64,7 @@ def test_torchrun_cross_subnet_matches_one_process_and_resumes(one_process: dict
     # resume from the checkpoint at step 10 (as if interrupted after it): the same weights at the end
     (tmp_path / "run" / "checkpoint.pt").replace(tmp_path / "run" / "checkpoint.pt.final")
     (tmp_path / "run" / "checkpoint.prev.pt").replace(tmp_path / "run" / "checkpoint.pt")
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = torchrun_search(args, tmp_path)
     assert again.returncode == 0, again.stderr[-4000:]
     resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert resumed["resumed_from_step"] == 10

@@ -8,8 +8,6 @@ import json
 import logging
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from search.checkpoint import load_checkpoint
 from search.evolution import SearchError, SubnetCost
 from supernet import Arch
 from supernet.spaces import conv
+from tests.cli_driver import torchrun_search
 from tests.test_app import ROOT, TINY, make_cfg, read_metrics
 
 DIVERGING = ["~space", "+space._target_=tests.diverging_space.build", "+space.at_step=7", "+space.at_microbatch=1"]
@@ -111,11 +110,7 @@ def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path: Path,
 
 @pytest.mark.dist
 def test_torchrun_two_stages_stop_at_the_nonfinite_step(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search",
-           *DIVERGING, *TINY, "pipeline.timeout_s=60", f"hydra.run.dir={tmp_path / 'run'}"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = torchrun_search([*DIVERGING, *TINY, "pipeline.timeout_s=60", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if "error: step 7: the loss is nan" in line]
     assert len(errors) == 1 and "micro-batch 1" in errors[0], p.stderr[-4000:]

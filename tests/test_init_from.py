@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +23,8 @@ from pipeline.reference import ReferenceEngine
 from search.app import prepare, run
 from search.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from search.config import ConfigError, train_digest
-from tests.cli_driver import Case, run_cases
-from tests.test_app import ROOT, TINY, TINY_CONV, make_cfg, read_metrics
+from tests.cli_driver import Case, run_cases, torchrun_search
+from tests.test_app import TINY, TINY_CONV, make_cfg, read_metrics
 
 EXPECTED = "train.init_from: expected a run directory with checkpoint.pt (or a checkpoint file), found"
 
@@ -160,12 +157,9 @@ def test_bad_init_from_is_one_line_and_writes_nothing(runs: dict, tmp_path: Path
 
 @pytest.mark.dist
 def test_torchrun_with_init_from_equals_one_process(runs: dict, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR", "PIPENAS_FAULT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     args = [*TINY_CONV, *TINY, *fixed(runs["arch"]), f"train.init_from={runs['root'] / 'A'}", "pipeline.timeout_s=60",
             f"hydra.run.dir={tmp_path / 'p2'}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = torchrun_search(args, tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
     assert summary["world_size"] == 2

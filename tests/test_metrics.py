@@ -7,9 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from search.evolution import SubnetCost
 from search.metrics import STEP_FIELDS, MetricsWriter, Monitor, reference_archs, tensorboard_available
 from supernet import SearchSpaceError
 from supernet.spaces import conv
+from tests.cli_driver import torchrun_search
 from tests.test_app import ROOT, TINY, TINY_CONV, crash_at, make_cfg, read_metrics
 
 MONITORED = ["monitor/smallest", "monitor/middle", "monitor/largest"]
@@ -275,12 +274,9 @@ def test_torchrun_two_stages_score_alike_and_train_alike(tmp_path: Path) -> None
     """Scoring is collective (every stage, the same archs after the same step) and moves ops for
     the scored subnet's partition; training after it is the one-process run's, bit for bit."""
     one = run(make_cfg(*DELAYED, "train.monitor_every=4"), output_dir=tmp_path / "one")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     args = [*TINY_CONV, *TINY, *DELAYED, "train.monitor_every=4", "pipeline.timeout_s=60",
             f"hydra.run.dir={tmp_path}/run"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "search", *args]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = torchrun_search(args, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params_digest"] == one["params_digest"]

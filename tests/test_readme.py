@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_driver import Case, Result, run_cases
+from tests.cli_driver import Case, Result, child_env, run_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -183,8 +183,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python file they import (``my_space.py``) is there, as a user would have them."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "my_space.py").write_text(_python_block("# my_space.py"))
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))  # `python`: this suite's
+    env = child_env(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # `python`: this suite's
     for c in COMMANDS:
         if c.kind == "shell":
             subprocess.run(["bash", "-c", c.text], cwd=tmp, env=env, check=True)
@@ -222,9 +221,7 @@ def _free_port() -> int:
 
 
 def _torchrun(words: list[str], cwd: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR", "PIPENAS_FAULT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *words[1:], *SHORT], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *words[1:], *SHORT], cwd=cwd, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -250,9 +247,8 @@ def _check_twin(outs: list[str], c: Command, scratch: Path, one_process: dict[st
 @pytest.mark.parametrize("c", [c for c in COMMANDS if c.kind == "export"], ids=lambda c: c.id)
 def test_readme_export_command(c: Command, scratch: Path, one_process: dict[str, Result]) -> None:
     """After the one-process commands (the run it exports is one of them)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     words = shlex.split(c.job)
-    p = subprocess.run([sys.executable, *words[1:]], cwd=scratch, env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, *words[1:]], cwd=scratch, env=child_env(), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, f"{c.text}\n{p.stderr[-3000:]}"
     assert "val accuracy: " in p.stdout and (scratch / words[3] / "export" / "best" / "model.pt2").exists()
@@ -296,9 +292,7 @@ def test_readme_several_machine_commands(pair: tuple[Command, Command], scratch:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (marked so in the README)")
 @pytest.mark.parametrize("c", [c for c in COMMANDS if c.kind == "cuda"], ids=lambda c: c.id)
 def test_readme_cuda_command(c: Command, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     words = shlex.split(c.job)
-    p = subprocess.run([sys.executable, *words[1:], *SHORT, "hydra.run.dir=run"], cwd=tmp_path, env=env,
+    p = subprocess.run([sys.executable, *words[1:], *SHORT, "hydra.run.dir=run"], cwd=tmp_path, env=child_env(),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

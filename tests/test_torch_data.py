@@ -5,11 +5,8 @@ process and torchrun) and their one-line errors."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +18,8 @@ from search.app import run
 from search.config import ConfigError
 from search.data import ArrayDataset
 from search.torch_data import Cifar10, ImageFolder, TensorSet, TorchData
-from tests.cli_driver import Case, run_cases
-from tests.test_app import ROOT, TINY_CONV, make_cfg
+from tests.cli_driver import Case, run_cases, torchrun_search
+from tests.test_app import TINY_CONV, make_cfg
 
 CLASSES = ("cat", "dog", "emu")
 SHORT = [*TINY_CONV, "train.steps=4", "train.batch_size=16", "train.microbatches=2", "train.warmup_steps=0",
@@ -182,11 +179,7 @@ def test_torchrun_image_folder_equals_one_process(disk: Path) -> None:
     args = ["data=image_folder", "data.root=images", "data.flip=true", "data.crop_padding=1", *SHORT]
     (one,) = run_cases([Case([*args, "hydra.run.dir=runs/one"], str(disk))])
     assert one.status == 0, one.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR", "PIPENAS_FAULT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                        "search", *args, "pipeline.stages=2", "hydra.run.dir=runs/two"], cwd=disk, env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = torchrun_search([*args, "pipeline.stages=2", "hydra.run.dir=runs/two"], disk, timeout_s=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     digest = lambda d: json.loads((disk / "runs" / d / "summary.json").read_text())["params_digest"]  # noqa: E731
     assert digest("two") == digest("one")
