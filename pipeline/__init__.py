@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 
 from supernet import SupernetGraph
 
-from .engine import Engine, EvalResult, LrSchedule, StepResult
+from .engine import Engine, EvalResult, LrSchedule, StepResult, engine_device
 from .memory import MemoryBudgetError, MemorySettings, MemoryStats, OptimConfig, TensorManager, params_digest
 from .reference import ReferenceEngine
 from .settings import DistEnv, PipelineSettings, dist_env
@@ -40,7 +39,7 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
     ``checkpoint_every``: where the run's checkpoint boundaries fall (delayed shared ops read no
     version from before the last one, so a resumed run computes what an uninterrupted one does)."""
     env = env if env is not None else dist_env()
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    dev = engine_device(device)
     if clip_grad_norm is not None and settings.cross:
         raise ValueError(f"clip_grad_norm: expected pipeline.window 1 and shared_ops exact, found window "
                          f"{settings.window} and shared_ops {settings.shared_ops!r} (cross-subnet updates do not clip)")

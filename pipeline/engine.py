@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepResult", "EvalResult", "Engine", "LrSchedule", "recalibrated_bn", "graph_has_batchnorm",
-    "split_batch", "update", "activation_policy", "StepInput", "lookahead", "step_by_step", "PLAN_AHEAD",
-    "GradClip", "grad_sq_sums",
+    "split_batch", "update", "engine_device", "activation_policy", "StepInput", "lookahead", "step_by_step",
+    "PLAN_AHEAD", "GradClip", "grad_sq_sums", "calibrate", "score_batches",
 ]
 
 StepInput = tuple  # (step, arch, x, y): one training step handed to ``Engine.train_steps``
@@ -227,6 +227,11 @@ def graph_has_batchnorm(graph: SupernetGraph) -> bool:
             if any(isinstance(m, _BatchNorm) for m in build_op(slot.spec, slot.op_id, 0).modules()):
                 return True
     return False
+
+
+def engine_device(name: str) -> torch.device:
+    """The device ``create_engine`` runs on for the config's ``device`` (``auto``: CUDA when available)."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
 
 def calibrate(sl: Slice, module: Callable[[str], nn.Module], seed: int,

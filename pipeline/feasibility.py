@@ -56,7 +56,7 @@ from .plan.schedule import one_f_one_b
 from .reference import activation_problem
 from .settings import PipelineSettings
 
-__all__ = ["check_memory", "engine_device"]
+__all__ = ["check_memory"]
 
 
 def check_memory(graph: SupernetGraph, seed: int, optim: OptimConfig, memory: MemorySettings, device: torch.device,
@@ -152,8 +152,3 @@ def _raise_over(budget: int, floors, subnets: int, hints: Sequence[str]) -> None
     where = "" if bounds is None else f" on stage {stage} of the split {tuple(bounds)}"
     raise activation_budget_error(f"the activations of subnet {arch.to_json()}{where} (the most among the {subnets} "
                                   f"subnets this run trains)", need, budget, hints)
-
-
-def engine_device(name: str) -> torch.device:
-    """The device ``create_engine`` runs on for the config's ``device`` (``auto``: CUDA when available)."""
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)

@@ -128,7 +128,8 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
         _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
     # a run that resumes its own checkpoint ignores train.init_from: the checkpoint holds the weights
     init = read_init_from(rc.train.init_from, graph, read=ckpt is None) if rc.train.init_from is not None else None
-    from pipeline.feasibility import check_memory, engine_device
+    from pipeline.engine import engine_device
+    from pipeline.feasibility import check_memory
 
     try:  # budgets the engine would stop on, from the subnets this run trains (steps from the checkpoint on)
         check_memory(graph, rc.seed, rc.train.optimizer, rc.memory, engine_device(rc.device), data.input_shape,

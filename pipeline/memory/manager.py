@@ -23,8 +23,8 @@ from supernet import OpSlot, SupernetGraph, build_op
 
 from .optim import OptimConfig, OptimGroup
 from .settings import MemorySettings
-from .sizing import footprints, largest_subnet_footprint
-from .state import OpState, alignment_for, optim_state_keys
+from .sizing import largest_subnet_footprint, op_footprints
+from .state import OpState, optim_state_keys
 from .stats import MemoryAudit, MemoryStats
 from .store import Store, make_store
 
@@ -161,8 +161,7 @@ class TensorManager:
     def footprints(self, op_ids: Iterable[str]) -> dict[str, int]:
         """Per op, the bytes it takes in the arena under this manager's settings, owned or not
         (:func:`~pipeline.memory.sizing.footprints`)."""
-        return footprints(lambda o: self._slot(o).spec, op_ids, self.seed, self._state_keys,
-                          alignment_for(self.device), self.memory.state_can_stay_home)
+        return op_footprints(self.graph, self.seed, self.optim, self.device, self.memory, op_ids)
 
     def close(self) -> None:
         """Wait for copies in flight and stop the copy thread."""
