@@ -1,11 +1,12 @@
-"""The agreement check: every rank planned the same subnet and the same partition.
+"""The agreement check: every rank planned the same subnets, partitions and schedule.
 
 Ranks never ask each other what to do, so a rank whose arch stream or cost table differs would
-silently compute something else. Each plan carries a digest of its arch and bounds; one
-all-reduce (MAX of ``digest`` and ``-digest``) on a process group of its own shows whether all
-ranks hold the same. For a plan made ahead the all-reduce is posted while the step before runs
-and read at the start of the step that uses it, before anything of that step moves: no round
-trip on the critical path. A plan not made ahead is checked when it is made (one round trip).
+silently compute something else. A plan carries a digest of its arch and bounds, a training
+segment one of its schedule and plans; one all-reduce (MAX of ``digest`` and ``-digest``) on a
+process group of its own shows whether all ranks hold the same. For a segment prepared ahead
+the all-reduce is posted when the segment before ends and read when this one starts, before
+anything of it runs or moves: no round trip on the critical path. A digest not made ahead is
+checked when it is made (one round trip).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from .lookahead import Plan
 from .transport import peer_errors, wait_for
 
-__all__ = ["Agreement", "AgreementError"]
+__all__ = ["Agreement", "AgreementError", "plan_what"]
 
 
 _WHAT = "the agreement check with the other ranks"  # a lost rank: "... failed: <the backend's words>"
@@ -28,46 +29,60 @@ class AgreementError(RuntimeError):
 
 
 class Agreement:
+    """Digests (63-bit ints) every rank must hold alike: a plan's, or a segment's schedule and plans."""
+
     def __init__(self, device: torch.device, timeout_s: float, enabled: bool, group: dist.ProcessGroup | None) -> None:
         # ``group``: None in a one-process job (nothing to agree on)
         self.device, self.enabled, self.group = device, enabled and group is not None, group
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._posted: tuple[dist.Work, torch.Tensor, Plan] | None = None
+        self._posted: tuple[dist.Work, torch.Tensor, int, str] | None = None
 
-    def post(self, plan: Plan) -> None:
-        """Start checking a plan made ahead."""
+    def post(self, digest: int, what: str) -> None:
+        """Start checking a digest made ahead (``what`` names it in the error)."""
         if self.enabled:
-            t = self._tensor(plan)
+            t = self._tensor(digest)
             with peer_errors(_WHAT):
-                self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, plan)
+                self._posted = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t, digest,
+                                what)
 
-    def read(self) -> Plan | None:
-        """Finish the check posted a step ago (raises if the ranks disagreed); the plan it checked."""
+    def read(self, strict: bool = True) -> int | None:
+        """Finish the check posted earlier; the digest it checked. When the ranks disagreed:
+        raise, or with ``strict`` false return None (every rank sees the same all-reduced
+        result, so every rank then checks what it really runs, alike)."""
         if self._posted is None:
             return None
-        (work, t, plan), self._posted = self._posted, None
+        (work, t, digest, what), self._posted = self._posted, None
         wait_for(work, self.timeout, _WHAT)
-        _compare(t, plan)
-        return plan
+        if not strict and not _agreed(t, digest):
+            return None
+        _compare(t, digest, what)
+        return digest
 
-    def check(self, plan: Plan, checked: Plan | None) -> None:
-        """Check ``plan`` now unless ``checked`` (what :meth:`read` returned) covered it."""
-        if not self.enabled or (checked is not None and checked.digest == plan.digest):
+    def check(self, digest: int, what: str, checked: int | None = None) -> None:
+        """Check ``digest`` now unless ``checked`` (what :meth:`read` returned) covered it."""
+        if not self.enabled or checked == digest:
             return
-        t = self._tensor(plan)
+        t = self._tensor(digest)
         with peer_errors(_WHAT):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        _compare(t, plan)
+        _compare(t, digest, what)
 
-    def _tensor(self, plan: Plan) -> torch.Tensor:
-        return torch.tensor([plan.digest, -plan.digest], dtype=torch.int64, device=self.device)
+    def _tensor(self, digest: int) -> torch.Tensor:
+        return torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
 
 
-def _compare(t: torch.Tensor, plan: Plan) -> None:
+def plan_what(plan: Plan) -> str:
+    return f"the subnet or its partition (this rank: arch {plan.arch.digest()}, bounds {list(plan.partition.bounds)})"
+
+
+def _agreed(t: torch.Tensor, digest: int) -> bool:
     hi, neg_lo = t.tolist()
-    if hi != plan.digest or -neg_lo != plan.digest:
+    return hi == digest and -neg_lo == digest
+
+
+def _compare(t: torch.Tensor, digest: int, what: str) -> None:
+    if not _agreed(t, digest):
         raise AgreementError(
-            f"ranks disagree on the subnet or its partition (this rank: arch {plan.arch.digest()}, "
-            f"bounds {list(plan.partition.bounds)}); every rank must sample the same arch stream "
-            "and use the same cost profile"
+            f"ranks disagree on {what}; every rank must sample the same arch stream and use the same cost profile "
+            "and settings"
         )

@@ -1,5 +1,4 @@
-"""A run's layout: how many pipeline stages S and replicas R its N processes form, and what may
-combine with replicated stages. One function, called before anything is written (the app's
+"""A run's layout: how many pipeline stages S and replicas R its N processes form. One function, called before anything is written (the app's
 ``prepare``, on every rank alike) and again by the pipelined engine, so a layout the command
 line accepts is the one the engine runs.
 
@@ -8,8 +7,8 @@ line accepts is the one the engine runs.
   replicas of an S-stage pipeline (:mod:`pipeline.replicas`), which needs ``train.microbatches``
   to be a multiple of R; ``auto`` is the mesh planner's pick (:mod:`pipeline.plan.mesh`) among
   the layouts this run's settings allow.
-* Replicated stages (R > 1) need exact shared ops and no tensor-manager budget (each is a
-  one-line error naming the field).
+* Replicated stages combine with every other setting (what does not combine is the one table
+  of :mod:`pipeline.combinations`).
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from supernet import SupernetGraph
 from .memory import MemorySettings
 from .settings import PipelineSettings
 
-__all__ = ["Layout", "LayoutError", "resolve_layout", "replicas_allowed", "replicas_of"]
+__all__ = ["Layout", "LayoutError", "resolve_layout", "replicas_of"]
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +37,6 @@ class Layout:
     predicted_samples_per_s: float | None = None  # auto: the mesh planner's figure for its pick
 
 
-def replicas_allowed(settings: PipelineSettings, memory: MemorySettings | None) -> str | None:
-    """``None`` when this run's settings combine with replicated stages, else why not (one line,
-    naming the field)."""
-    if settings.shared_ops != "exact":
-        return (f"pipeline.shared_ops: expected 'exact' with replicated stages, found {settings.shared_ops!r}; "
-                f"set pipeline.stages to the number of processes for {settings.shared_ops}")
-    if memory is not None and memory.virtual:
-        return ("memory.device_budget_bytes: expected null with replicated stages: the tensor manager does not yet "
-                "hold a replica's gradients until the reduction; set pipeline.stages to the number of processes")
-    return None
-
-
 def resolve_layout(settings: PipelineSettings, memory: MemorySettings | None, world_size: int, microbatches: int,
                    graph: SupernetGraph | None = None, optimizer: str = "sgd",
                    sample_shape: Sequence[int] | None = None, batch_size: int | None = None) -> Layout:
@@ -62,15 +49,10 @@ def resolve_layout(settings: PipelineSettings, memory: MemorySettings | None, wo
                               f"{stages}: this run is one process; run it with torchrun --nproc_per_node={stages} "
                               "-m search")
         return Layout(1, 1)
-    why_not = replicas_allowed(settings, memory)
     if stages == "auto":
-        return _auto(graph, world_size, microbatches, settings, optimizer, sample_shape, batch_size,
-                     replicas=why_not is None)
+        return _auto(graph, world_size, microbatches, settings, optimizer, sample_shape, batch_size)
     stages = world_size if stages is None else stages
     replicas = replicas_of(world_size, stages, microbatches)
-    if replicas > 1 and why_not is not None:
-        raise LayoutError(f"{why_not} ({stages} stages x {replicas} replicas from pipeline.stages={stages} on "
-                          f"{world_size} processes)")
     return Layout(stages, replicas)
 
 
@@ -88,9 +70,9 @@ def replicas_of(world_size: int, stages: int, microbatches: int) -> int:
 
 
 def _auto(graph: SupernetGraph | None, world_size: int, microbatches: int, settings: PipelineSettings,
-          optimizer: str, sample_shape: Sequence[int] | None, batch_size: int | None, replicas: bool) -> Layout:
+          optimizer: str, sample_shape: Sequence[int] | None, batch_size: int | None) -> Layout:
     """The mesh planner's pick from an analytic cost table of the supernet's average subnet
-    (the same on every rank); with ``replicas`` false, only R = 1 is considered."""
+    (the same on every rank)."""
     from .plan.costs import analytic_costs, mean_problem
     from .plan.mesh import mesh_options, recommend
 
@@ -101,12 +83,8 @@ def _auto(graph: SupernetGraph | None, world_size: int, microbatches: int, setti
     table = analytic_costs(graph, tuple(sample_shape), mb, optimizer)
     mean = mean_problem(graph, table, num_stages=1, num_microbatches=microbatches)
     options = mesh_options(mean, world_size, microbatches, mb, settings.link_bandwidth, settings.link_latency_s)
-    if not replicas:
-        options = [o for o in options if o.replicas == 1]
     if not options:
         raise LayoutError(f"pipeline.stages: 'auto' found no (stages, replicas) for {world_size} processes with "
-                          f"train.microbatches={microbatches}"
-                          + ("" if replicas else " and one stage per process (replicas need exact shared ops "
-                                                 "and no memory budget)"))
+                          f"train.microbatches={microbatches}")
     best = recommend(options)
     return Layout(best.stages, best.replicas, best.samples_per_s)

@@ -80,7 +80,6 @@ class LookaheadPlanner:
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
         self.planner = None
         self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
-        self.moves_stateful_only = settings.cross
         # Wire specs come from a dry run of the stages on the meta device, ~30-70 ms of Python a
         # subnet on this machine's CPU: more than a step of the default space. A flushed step
         # plans two subnets ahead and hides it; a cross-subnet segment would plan tens at once,
@@ -231,11 +230,10 @@ class LookaheadPlanner:
         return self._upcoming
 
     def placed(self, plan: Plan) -> dict[str, int]:
-        """Where ``plan`` leaves the ops that move: every active op between flushed steps; with
-        cross-subnet schedules (``moves_stateful_only``) only ops with state, since an op without
-        state runs wherever it is needed and never moves."""
+        """Where ``plan`` leaves the ops that move: only ops with state, since an op without
+        state runs wherever it is needed (a local instance) and never moves in training."""
         where = stages_of(plan.active, plan.partition.bounds)
-        return {op: s for op, s in where.items() if op in self.stateful} if self.moves_stateful_only else where
+        return {op: s for op, s in where.items() if op in self.stateful}
 
     def start_ahead(self, owners: Mapping[str, int], before: Arch | None) -> None:
         """Plan the upcoming subnets in the background, chained from ``owners`` (after this

@@ -3,14 +3,17 @@
 Every rank runs the same program on the same data and never asks another rank what to do. The
 engine ties four parts together, one concern each:
 
-* :class:`pipeline.lookahead.LookaheadPlanner`: the plan of each step (pure code, no
-  messages), the plans made ahead from the sampler's lookahead and what crosses each cut;
-* :class:`pipeline.migration.Migrator`: ops whose stage changes move with their optimizer
-  state, now or during the step before;
-* :class:`pipeline.stage.StageExecutor`: this rank's actions of the schedule (receive,
-  compute, send), payload-only messages with receives posted ahead;
-* :class:`pipeline.agreement.Agreement`: all ranks planned the same subnet and partition,
-  checked a step ahead for plans made ahead (no round trip on the critical path).
+* :class:`pipeline.lookahead.LookaheadPlanner`: the plan of each subnet (pure code, no
+  messages) and what crosses each cut;
+* :mod:`pipeline.plan.admission`: the schedule of a training segment, subnets back to back —
+  flushed steps (``pipeline.window`` 1, exact shared ops: the configured GPipe/1F1B per subnet
+  and its update) or a cross-subnet schedule with several in flight — made a segment ahead in
+  the background, with the tensor manager's arena bound;
+* :class:`pipeline.executor.StageExecutor`: this rank's actions of that schedule (receive,
+  compute, send, update), ops moving as the schedule's state messages, the tensor manager told
+  the exact use order;
+* :class:`pipeline.agreement.Agreement`: all ranks built the same segment, checked without a
+  round trip on the critical path when it was made ahead.
 
 Gradients accumulate in ascending micro-batch order on every stage, exactly as in the
 reference, so the result is bit-identical. With ``pipeline.stages`` S below the world size N,
@@ -27,7 +30,6 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,25 +39,23 @@ import torch.distributed as dist
 
 from supernet import Arch, SupernetGraph
 
-from .agreement import Agreement, AgreementError
+from .agreement import Agreement, AgreementError, plan_what
 from .evaluation import evaluate_stage
-from .engine import (EvalResult, GradClip, LrSchedule, StepInput, StepResult, activation_policy,
-                     graph_has_batchnorm, split_batch, step_by_step, update)
+from .engine import EvalResult, GradClip, LrSchedule, StepInput, StepResult, graph_has_batchnorm, split_batch
+from .executor import Segment, StageExecutor
 from .failures import FailureReporter, StageFailure, parse_fault
+from .layout import resolve_layout
 from .lookahead import LookaheadPlanner, Plan
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .migration import Migrator
+from .plan.admission import ArenaBound, cross_subnet, sequential
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
-from .layout import resolve_layout
-from .replicas import Mesh, ReplicaReducer, new_group_per
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
 from .rendezvous import init_process_group
+from .replicas import Mesh, ReplicaReducer, new_group_per
 from .settings import DistEnv, PipelineSettings
-from .cross import CrossExecutor, Segment
-from .plan.admission import cross_subnet
 from .shared import SharedOps, shared_ops_of
-from .stage import StageExecutor
 from .trace import Span, Tracer
 from .transport import Transport, peer_errors
 
@@ -73,10 +73,10 @@ class StepStats:
     max_in_flight: int = 0
     migrated_ops: int = 0
     migrated_bytes: int = 0
-    migration_s: float = 0.0  # the migration on the critical path
+    migration_s: float = 0.0  # waiting for moved ops (state messages) on the critical path
     wait_s: float = 0.0  # waiting for the schedule's messages
     plan_s: float = 0.0  # planning time on the critical path (near zero when planned ahead)
-    early_migrated_ops: int = 0  # ops that moved during the previous step, off the critical path
+    early_migrated_ops: int = 0  # over the run: moves for a segment's later subnets (off the critical path)
     planned_ahead: bool = False
     bounds: tuple[int, ...] = ()  # the partition of the last step (or evaluation)
     swapped_bytes: int = 0  # activations swapped to host memory (memory.activations)
@@ -87,12 +87,13 @@ class StepStats:
 @dataclass(frozen=True)
 class _Prepared:
     """A segment made ready: for which (archs, owners, subnet before), its plans and schedule,
-    and where it leaves the ops with state."""
+    where it leaves the ops with state, and the digest every rank must hold alike."""
 
     key: tuple
     plans: tuple[Plan, ...]
     schedule: Schedule
     owners: dict[str, int]
+    digest: int
 
 
 def overlapped(row: Sequence) -> int:
@@ -156,20 +157,20 @@ class PipelineEngine:
         timeout = settings.timeout_s
         many = env.world_size > 1
         me, mesh = self.stage_index, self.mesh
-        # Separate groups are separate channels: migration, gathers and evaluation (default
-        # group; with replicas, one per replica), the schedule's payload-only messages, moves
-        # ahead, and the agreement check (all ranks: every replica plans alike too).
+        # Separate groups are separate channels: evaluation's moves, gathers and evaluation
+        # (default group; with replicas, one per replica), the schedule's messages, the ops
+        # moving in a segment (state messages), and the agreement check (all ranks: every
+        # replica plans alike too).
         if self.replicas == 1:
             self.transport = Transport(me, self.device, timeout)
             self._schedule_transport = Transport(me, self.device, timeout, group=dist.new_group()) if many else self.transport
-            early = Transport(me, self.device, timeout, group=dist.new_group()) if many else None
+            state = Transport(me, self.device, timeout, group=dist.new_group()) if many else self.transport
             self.reducer: ReplicaReducer | None = None
         else:
             peers = mesh.stage_ranks()
             self.transport = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
             self._schedule_transport = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
-            early = (Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
-                     if self.num_stages > 1 else None)
+            state = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
             rgroup = new_group_per(mesh, "replica")
             self.reducer = ReplicaReducer(mesh, Transport(mesh.replica, self.device, timeout, group=rgroup,
                                                           peers=mesh.replica_ranks()), rgroup, settings.reduce)
@@ -188,22 +189,23 @@ class PipelineEngine:
                                         where=f"replica {mesh.replica}, stage {me}" if self.replicas > 1 else None)
         self.tracer = Tracer(self.rank, trace_steps)
         self.planner = LookaheadPlanner(graph, seed, self.num_stages, self.local_microbatches, settings, costs,
-                                        can_move_early=early is not None, optim_name=optim.name,
+                                        can_move_early=self.num_stages > 1, optim_name=optim.name,
                                         memory=self._memory_model(), schedule=self.schedule)
-        self.migrator = Migrator(me, self.owners, self.tensors, self.transport, early)
         offset = self.mesh.microbatches(microbatches).start  # this replica's first micro-batch
-        self.stage = StageExecutor(me, self.schedule, self._schedule_transport, self.failures, self.tracer,
-                                   self.device, seed, offset=offset)
         self._last_arch: Arch | None = None  # the subnet of the last training step
-        # several subnets in flight, or shared ops read late or frozen: cross-subnet schedules
+        # shared ops read exactly, late or frozen (several subnets in flight need one of the last two)
         self.shared = SharedOps(settings.shared_ops, settings.shared_delay, shared_ops_of(graph), checkpoint_every,
                                 self.tensors.module)
-        self.cross = CrossExecutor(me, graph, self.tensors, self.shared, self._schedule_transport,
-                                   early if early is not None else self.transport, self.failures, self.tracer,
-                                   self.device, seed, reducer=self.reducer, offset=offset) if settings.cross else None
+        self.migrator = Migrator(me, self.owners, self.tensors, self.transport, self.shared)
+        # clipping waits for every stage's gradient norm at each update: flushed steps only (the
+        # combination table, pipeline/combinations.py, refuses it with cross-subnet schedules)
+        self.executor = StageExecutor(me, graph, self.tensors, self.shared, self._schedule_transport, state,
+                                      self.failures, self.tracer, self.device, seed, reducer=self.reducer,
+                                      offset=offset, clipper=self._clipper if self.clip is not None else None)
         self.checkpoint_every = checkpoint_every
         self._segment_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-segment")
         self._ahead: Future | None = None  # the next segment's plans and schedule, being made
+        self._hint: list[Arch] = []  # plan_ahead: the subnets after the next train_step's
 
     def _memory_model(self) -> MemoryModel:
         """The planner's view of the memory settings: every stage's arena capacity (gathered:
@@ -246,83 +248,70 @@ class PipelineEngine:
         return self.planner.plan(arch, self.owners, self._last_arch)
 
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
-        """The subnets that follow the next ``train_step``'s (the sampler's lookahead): planned
+        """The subnets that follow the next ``train_step``'s (the sampler's lookahead): prepared
         in the background while that step computes. A hint only: the result is the same either way."""
-        self.planner.set_upcoming(archs)
+        self._hint = list(archs)
 
-    def _take_plan(self, step: int, arch: Arch, checked: Plan | None) -> Plan:
-        t0 = time.perf_counter()
-        with self.tracer.span(step, "plan", "plan"):
-            plan, ahead = self.planner.take(arch, self.owners, self._last_arch)
-            self.agreement.check(plan, checked)
-        self.stats.planned_ahead = ahead
-        self.stats.plan_s = time.perf_counter() - t0
-        self.stats.bounds = plan.partition.bounds
-        return plan
+    def _schedule_of(self, plans: Sequence[Plan], origin: Mapping[str, int]) -> Schedule:
+        """The schedule of ``plans`` back to back (pure): flushed steps of the configured
+        schedule, or a cross-subnet schedule bounded by the tensor manager's arena."""
+        used = set().union(*(u for p in plans for u in p.work.uses))
+        uses = [p.work.uses for p in plans]
+        origin = {op: origin[op] for op in used}
+        if not self.settings.cross:
+            return validate(sequential(self.schedule, uses, origin=origin))
+        mm = self.planner.memory
+        arena = (ArenaBound(mm.arena_bytes, mm.footprint) if mm is not None and mm.arena_bytes is not None
+                 else None)
+        return validate(cross_subnet(
+            [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
+            delayed=self.shared.delayed & used, delay=self.settings.shared_delay, origin=origin,
+            state_time=self.planner.move_seconds(), arena=arena))
 
-    # -- migration -------------------------------------------------------------------------
-    def _migrate(self, step: int, plan: Plan) -> None:
-        t0 = time.perf_counter()
-        with self.tracer.span(step, "migrate", "migrate"):
-            moved = self.migrator.now(plan.active, plan.partition.bounds)
-        self.stats.migrated_ops, self.stats.migrated_bytes = moved.ops, moved.bytes
-        self.stats.migration_s = time.perf_counter() - t0
+    def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> _Prepared:
+        """The plans of ``archs`` (chained through the placement each leaves, from ``owners``
+        and the subnet before, ``prior``) and their schedule. Pure: every rank makes the same,
+        now or in the background a segment ahead."""
+        key = _segment_key(archs, owners, prior)
+        plans, owners = [], dict(owners)
+        for arch in archs:
+            plan = self.planner.plan_with(arch, owners, prior)
+            owners.update(self.planner.placed(plan))
+            plans.append(plan)
+            prior = arch
+        return self._prepared(key, plans, owners)
 
-    def _prepare_next(self, current: Plan) -> None:
-        """Fix the next step's plan (made ahead a step ago, in the background), start its check
-        and the moves that can go now, plan the subnets after it, and tell the tensor manager
-        which of this stage's ops the step and the next one use."""
-        upcoming = self.planner.upcoming
-        mine = [frozenset(op.op_id for op in current.slices[self.stage_index].ops)]
-        if upcoming and self.migrator.early_transport is not None:
-            nxt = self.planner.planned(upcoming[0], self.owners, current.arch)
-            self.planner.committed = nxt
-            self.agreement.post(nxt)
-            self.migrator.start_ahead(nxt.active, nxt.partition.bounds, (op.op_id for op in current.active))
-            mine.append(frozenset(op.op_id for op in nxt.slices[self.stage_index].ops))
-        self.tensors.prefetch(mine)  # ops this rank does not own (yet) are ignored
-        self.tensors.ensure(mine[0])
-        self.planner.start_ahead(self.owners, self._last_arch)
+    def _prepared(self, key: tuple, plans: Sequence[Plan], owners: dict[str, int]) -> _Prepared:
+        schedule = self._schedule_of(plans, key[1])
+        h = hashlib.sha256(format_grid(schedule).encode())
+        for p in plans:
+            h.update(p.digest.to_bytes(8, "little"))
+        return _Prepared(key, tuple(plans), schedule, owners, int.from_bytes(h.digest()[:7], "little"))
+
+    def _take(self, archs: Sequence[Arch]) -> _Prepared:
+        """The segment of ``archs`` from here: the one prepared ahead (or its first subnets,
+        with their schedule rebuilt), else made now."""
+        ahead, self._ahead = self._ahead, None
+        ready = ahead.result() if ahead is not None else None  # re-raises its error
+        key = _segment_key(archs, self.owners, self._last_arch)
+        self.stats.planned_ahead = ready is not None
+        if ready is not None and ready.key == key:
+            return ready
+        n = len(archs)
+        if ready is not None and ready.key[0][:n] == key[0] and ready.key[1:] == key[1:]:
+            owners = dict(self.owners)
+            for plan in ready.plans[:n]:
+                owners.update(self.planner.placed(plan))
+            return self._prepared(key, ready.plans[:n], owners)
+        self.stats.planned_ahead = False
+        return self._prepare(archs, self.owners, self._last_arch)
 
     # -- training --------------------------------------------------------------------------
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
-        t0 = time.perf_counter()
-        # this replica's share (the data may have read just its rows)
-        mbs, batch = share_of(x, y, self.batch_size, self.microbatches, self.mesh.microbatches(self.microbatches),
-                              self.device)
-        with self.failures.failing(step, "plan"):
-            checked = self.agreement.read()  # before the moves made ahead settle
-        with self.failures.failing(step, "migrate-ahead"), self.tracer.span(step, "settle moves", "migrate-ahead"):
-            early = self.migrator.settle()
-        with self.failures.failing(step, "plan"):
-            self.planner.ensure(x, batch // self.microbatches, training=True)
-            plan = self._take_plan(step, arch, checked)
-        with self.failures.failing(step, "migrate"):
-            self._migrate(step, plan)
-            self._last_arch = arch
-            self.stats.early_migrated_ops = early
-            self._prepare_next(plan)
-        mine = plan.slices[self.stage_index]
-        policy = activation_policy(plan.stage_activations(self.stage_index))
-        module = self.tensors.module if self.reducer is None else self.reducer.watching(self.tensors.module)
-        with self.reducer.recorded() if self.reducer is not None else nullcontext():
-            losses, run = self.stage.run(step, mine, plan.wires, mbs, batch, module, policy)
-        mb_losses = tuple(losses.tolist())  # the step's one host read, after its last action
-        with self.failures.failing(step, "optimizer"), self.tracer.span(step, "optimizer", "optimizer"):
-            a0 = time.perf_counter()
-            if self.reducer is not None:
-                with self.tracer.span(step, "reduce", "reduce"):
-                    mb_losses = self.reducer.fold(mb_losses, [self.tensors.module(op.op_id) for op in mine.ops])
-            update(self.tensors, [op.op_id for op in mine.ops], self.lr(step), mb_losses, self._clipper(step, plan))
-            memory = self.tensors.release_step()
-            opt_s = time.perf_counter() - a0
-        wall = time.perf_counter() - t0
-        st = self.stats
-        st.wall_s, st.busy_s, st.max_in_flight, st.wait_s = wall, run.busy_s + opt_s, run.max_in_flight, run.wait_s
-        st.swapped_bytes, st.recomputed_ops = (policy.swapped_bytes, policy.recomputed_ops) if policy else (0, 0)
-        return StepResult(step, arch, float(sum(mb_losses)), mb_losses, wall,
-                          st.migrated_ops + st.early_migrated_ops, st.migrated_bytes, memory=memory,
-                          migration_s=st.migration_s)
+        """One training step: a segment of one subnet (the next one ``plan_ahead`` named is
+        prepared meanwhile, a segment of one too, so its agreement check is the one posted)."""
+        hint, self._hint = self._hint, []
+        return self.train_steps([(step, arch, x, y)], hint[:1])[0]
 
     def _clipper(self, step: int, plan: Plan):
         """``train.clip_grad_norm`` for a flushed step of ``plan``: this stage's per-op sums of
@@ -346,10 +335,9 @@ class PipelineEngine:
         return lambda mods: self.clip(mods, self.device, exchange if self.num_stages > 1 else None)
 
     def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
-        """Train ``items`` in order: one flushed step each (``pipeline.window`` 1, exact shared
-        ops), else as cross-subnet schedules, one per run of items between checkpoint boundaries."""
-        if self.cross is None:
-            return step_by_step(self, items, upcoming)
+        """Train ``items`` in order as segments (subnets back to back: flushed steps, or several
+        in flight with ``pipeline.window`` > 1 or delayed/frozen shared ops), one per run of
+        items between checkpoint boundaries; ``upcoming``: the subnets after them, prepared meanwhile."""
         runs: list[list] = [[]]
         for item in items:  # a segment never spans a checkpoint boundary (delayed shared ops restart there)
             if runs[-1] and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
@@ -369,40 +357,21 @@ class PipelineEngine:
             out += self._train_segment(run, nxt)
         return out
 
-    def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> _Prepared:
-        """The plans of ``archs`` (chained through the placement each leaves, from ``owners``
-        and the subnet before, ``prior``) and their cross-subnet schedule. Pure: every rank makes
-        the same, now or in the background a segment ahead."""
-        key = _segment_key(archs, owners, prior)
-        plans, owners = [], dict(owners)
-        for arch in archs:
-            plan = self.planner.plan_with(arch, owners, prior)
-            owners.update(self.planner.placed(plan))
-            plans.append(plan)
-            prior = arch
-        used = set().union(*(u for p in plans for u in p.work.uses))
-        schedule = validate(cross_subnet(
-            [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
-            delayed=self.shared.delayed & used, delay=self.settings.shared_delay,
-            origin={op: key[1][op] for op in used}, state_time=self.planner.move_seconds()))
-        return _Prepared(key, tuple(plans), schedule, owners)
-
     def _train_segment(self, items: Sequence[StepInput], upcoming: Sequence[Arch]) -> list[StepResult]:
-        """Subnets back to back without a flush: plan each (chained through the op placement
-        each leaves), build the cross-subnet schedule every rank builds alike (both made a
-        segment ahead, in the background), check that the ranks agree, run this stage's actions."""
+        """Subnets back to back: plan each (chained through the op placement each leaves), build
+        the schedule every rank builds alike (both made a segment ahead, in the background),
+        check that the ranks agree, run this stage's actions."""
         t0 = time.perf_counter()
         steps = tuple(int(it[0]) for it in items)
         archs = [it[1] for it in items]
         M = self.microbatches
-        with self.failures.failing(steps[0], "plan"):
+        with self.failures.failing(steps[0], "plan"), self.tracer.span(steps[0], "plan", "plan"):
+            # posted when the segment before ended, for the segment prepared ahead (it may hold
+            # more subnets than this one runs): a disagreement there is checked on what runs now
+            checked = self.agreement.read(strict=False)
             self.planner.ensure(items[0][2], self._batch(items[0][2]) // M, training=True)
-            ahead, self._ahead = self._ahead, None
-            ready = ahead.result() if ahead is not None else None  # re-raises its error
-            key = _segment_key(archs, self.owners, self._last_arch)
-            prep = ready if ready is not None and ready.key == key else self._prepare(archs, self.owners, self._last_arch)
-            self.stats.planned_ahead = prep is ready
-            self._agree(steps[0], prep.schedule)
+            prep = self._take(archs)
+            self.agreement.check(prep.digest, "the segment's subnets, partitions or schedule", checked)
             if upcoming:  # the next segment, prepared while this one runs
                 self._ahead = self._segment_pool.submit(self._prepare, list(upcoming), prep.owners, archs[-1])
         plans, schedule = prep.plans, prep.schedule
@@ -410,39 +379,51 @@ class PipelineEngine:
         self.failures.schedule = schedule
         share = self.mesh.microbatches(M)  # this replica's micro-batches (the data may have read just their rows)
         shares = [share_of(x, y, self.batch_size, M, share, self.device) for _, _, x, y in items]
+        me = self.stage_index
+        after = tuple(p.work.uses[me] for p in self._ready_plans(upcoming))
         seg = Segment(steps, tuple(plans), schedule, tuple(mbs for mbs, _ in shares),
-                      tuple(batch for _, batch in shares), tuple(self.lr(s) for s in steps))
-        values, run = self.cross.run(seg)
+                      tuple(batch for _, batch in shares), tuple(self.lr(s) for s in steps), after)
+        values, run = self.executor.run(seg)
         self.owners.update(prep.owners)  # where each op with state is now (every rank alike)
         self._last_arch = archs[-1]
+        with self.failures.failing(steps[-1], "plan"):
+            self._post_next()
         wall = time.perf_counter() - t0
-        moves = [0] * len(steps)
+        moves, ahead = [0] * len(steps), 0
         for mv in schedule.rule.moves():
             moves[mv.before.subnet] += 1
+            ahead += mv.before.subnet > 0  # travels while the segment's earlier subnets compute
         st = self.stats
         st.wall_s, st.busy_s, st.wait_s, st.max_in_flight = wall, run.busy_s + run.update_s, run.wait_s, run.max_in_flight
         st.bounds = plans[-1].partition.bounds
-        st.overlapped += overlapped(schedule.actions[self.stage_index])
-        return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t])
+        st.overlapped += overlapped(schedule.actions[me])
+        st.migrated_ops, st.migrated_bytes = sum(moves), sum(run.moved_bytes)
+        st.early_migrated_ops += ahead
+        st.migration_s = sum(run.moved_wait_s)
+        st.swapped_bytes, st.recomputed_ops = run.swapped_bytes, run.recomputed_ops
+        return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t],
+                           memory=run.memory[t], migration_s=run.moved_wait_s[t])
                 for t, (step, arch, v) in enumerate(zip(steps, archs, values))]
+
+    def _ready_plans(self, upcoming: Sequence[Arch]) -> Sequence[Plan]:
+        """The plans of the next segment if it is already prepared (the tensor manager fetches
+        toward them); none otherwise (never waits)."""
+        ahead = self._ahead
+        if not upcoming or ahead is None or not ahead.done() or ahead.exception() is not None:
+            return ()
+        return ahead.result().plans
+
+    def _post_next(self) -> None:
+        """Start the agreement check of the segment prepared for next (every rank alike: each
+        waits for its own preparation, then posts), read when that segment starts."""
+        if self._ahead is not None:
+            self.agreement.post(self._ahead.result().digest, "the next segment's subnets, partitions or schedule")
 
     def _drop_ahead(self) -> None:
         """Wait for (and drop) a segment being prepared: the planner is about to be used here."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.result()
-
-    def _agree(self, step: int, schedule: Schedule) -> None:
-        """Every rank built the same schedule (it decides every message): one gather of its digest."""
-        if not self.settings.check_agreement or self.world_size == 1:
-            return
-        digest = hashlib.sha256(format_grid(schedule).encode()).hexdigest()[:16]
-        digests: list = [None] * self.world_size
-        with peer_errors("comparing schedules with the other ranks"):
-            dist.all_gather_object(digests, digest)
-        if len(set(digests)) > 1:
-            raise AgreementError(f"step {step}: the ranks built different cross-subnet schedules (digests by rank: "
-                                 f"{digests}); every rank must see the same subnets, costs and settings")
 
     # -- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -454,14 +435,15 @@ class PipelineEngine:
         if not batches:
             return EvalResult(float("nan"), 0, 0)
         with self.failures.failing(-1, "plan"):
-            checked = self.agreement.read()
-        with self.failures.failing(-1, "migrate-ahead"):
-            self.migrator.settle()
-        with self.failures.failing(-1, "plan"):
+            self.agreement.read(strict=False)  # the next training segment's check, posted when the last one ended
             self.planner.ensure(batches[0][0], batches[0][0].shape[0], training=False)
-            plan = self._take_plan(-1, arch, checked)
-        with self.failures.failing(-1, "migrate"):
-            self._migrate(-1, plan)
+            t0 = time.perf_counter()
+            with self.tracer.span(-1, "plan", "plan"):
+                plan, _ = self.planner.take(arch, self.owners, self._last_arch)
+                self.agreement.check(plan.digest, plan_what(plan))
+            self.stats.plan_s, self.stats.bounds = time.perf_counter() - t0, plan.partition.bounds
+        with self.failures.failing(-1, "migrate"), self.tracer.span(-1, "migrate", "migrate"):
+            self.migrator.now(plan.active, plan.partition.bounds)  # to the evaluation's placement
         mine = plan.slices[self.stage_index]
         self.tensors.ensure([op.op_id for op in mine.ops])
         try:  # every replica evaluates alike (same batches): the same result on every rank
@@ -474,7 +456,6 @@ class PipelineEngine:
     def op_states(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Gather every op's flat state on rank 0 (collective)."""
         with self.failures.failing(-1, "gather"):
-            self.migrator.settle()
             if self.mesh.replica != 0:  # every replica holds the same bytes: replica 0's pipeline gathers
                 return None
             return self.migrator.gather()
@@ -482,7 +463,6 @@ class PipelineEngine:
     def load_op_states(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Replace the state of the ops this rank owns with ``states`` (every rank passes the same;
         an op not in it keeps its state, and one without ``optim/`` entries gets a fresh optimizer)."""
-        self.migrator.settle()
         for op_id in self.tensors.owned():
             if op_id in states:
                 self.tensors.export(op_id)
@@ -503,8 +483,7 @@ class PipelineEngine:
         self._segment_pool.shutdown(wait=ok, cancel_futures=True)
         self.planner.close(wait=ok)
         if ok:
-            self.agreement.read()
-        self.migrator.close(wait=ok)
+            self.agreement.read(strict=False)  # a check posted for a segment that never ran
         self.tensors.close()
         if dist.is_initialized():
             if ok:

@@ -35,6 +35,8 @@ from .settings import SHARED_MODES
 
 __all__ = ["SharedOps", "SHARED_MODES", "shared_ops_of", "stateful_ops"]
 
+VERSION = "version/"  # the prefix of a delayed op's kept versions in its moving state
+
 
 @lru_cache(maxsize=64)
 def stateful_ops(graph: SupernetGraph) -> frozenset[str]:
@@ -146,6 +148,22 @@ class SharedOps:
         versions[step] = _snapshot(self._live(op))
         for k in [k for k in versions if k < step - self.delay - 1]:
             del versions[k]
+
+    def export_versions(self, op: str) -> dict[str, torch.Tensor]:
+        """The kept versions of a delayed op leaving this process (they travel with its state,
+        as ``version/<step>/<name>`` entries): a mid-graph shared op may change stage."""
+        return {f"{VERSION}{k}/{name}": t for k, state in self._versions.get(op, {}).items() for name, t in state.items()}
+
+    def adopt_versions(self, op: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Take the versions out of an arriving op's state (kept here); returns the rest."""
+        rest = {}
+        for key, t in state.items():
+            if key.startswith(VERSION):
+                k, name = key[len(VERSION):].split("/", 1)
+                self._versions.setdefault(op, {}).setdefault(int(k), {})[name] = t
+            else:
+                rest[key] = t
+        return rest
 
     def drop(self, op: str) -> None:
         """``op`` left this process."""

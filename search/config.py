@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import LrSchedule, MemorySettings, OptimConfig, PipelineSettings
+from pipeline.combinations import CombinationError, check as check_combination
 from supernet import SupernetError, SupernetGraph, build_op
 
 from .data import Dataset
@@ -113,6 +114,8 @@ class SearchConfig:
     calib_batch_size: int
     seed_archs: tuple[dict[str, Any], ...] = ()
     seed: int | None = None  # the search's own random stream; None: derived from the run's seed
+    # under torchrun, score each batch of archs on every process (search/parallel.py): auto | true | false
+    parallel: bool | str = "auto"
 
     @property
     def budget(self) -> int:
@@ -333,9 +336,18 @@ def _search(root: _Group) -> SearchConfig:
         bn_calib_batches=g.int("bn_calib_batches", 4, minimum=0),
         calib_batch_size=g.int("calib_batch_size", 64, minimum=1),
         seed_archs=tuple(dict(a) for a in seed_archs), seed=g.int("seed", None, minimum=0, optional=True),
+        parallel=_parallel(g),
     )
     g.done()
     return cfg
+
+
+def _parallel(g: _Group) -> str | bool:
+    v = g._get("parallel", "auto")
+    if v not in ("auto", True, False) or isinstance(v, (int, float)) and not isinstance(v, bool):  # 1 == True
+        raise g.fail("parallel", "auto, true or false (under torchrun: score each batch of archs on every "
+                                 "process)", v)
+    return v
 
 
 def _sampler(root: _Group) -> SamplerConfig:
@@ -405,21 +417,10 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     late = [s for s in run.pipeline.trace_steps if s >= run.train.steps]
     if late:
         raise ConfigError(f"pipeline.trace_steps: expected steps below train.steps ({run.train.steps}), found {late}")
-    if run.memory.virtual and run.pipeline.memory_budget_bytes is not None:
-        raise ConfigError("pipeline.memory_budget_bytes: expected null when the tensor manager has a budget "
-                          f"(memory.device_budget_bytes or device_budget_fraction), found "
-                          f"{run.pipeline.memory_budget_bytes!r}: the manager's arena bounds each stage's split")
-    if run.train.clip_grad_norm is not None and run.pipeline.cross:
-        raise ConfigError(f"train.clip_grad_norm / pipeline.window, pipeline.shared_ops: expected window 1 and "
-                          f"shared_ops exact with clipping, found window {run.pipeline.window} and shared_ops "
-                          f"{run.pipeline.shared_ops!r}: a subnet's update inside a cross-subnet schedule cannot yet "
-                          "wait for the other stages' gradient norms; set train.clip_grad_norm=null, or window=1 "
-                          "and shared_ops=exact")
-    if run.memory.virtual and run.pipeline.cross:
-        raise ConfigError(f"pipeline.window / pipeline.shared_ops: expected window 1 and shared_ops exact with a "
-                          f"tensor-manager budget (memory.device_budget_bytes or device_budget_fraction), found window "
-                          f"{run.pipeline.window} and shared_ops {run.pipeline.shared_ops!r}: cross-subnet schedules "
-                          "do not yet bound the arena by every subnet in flight")
+    try:  # the one table of what does not combine (pipeline/combinations.py)
+        check_combination(run.pipeline, run.memory, run.train.clip_grad_norm)
+    except CombinationError as e:
+        raise ConfigError(str(e)) from None
     root.done(ignore=("hydra",))
     return run
 

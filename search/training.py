@@ -95,7 +95,7 @@ def train_supernet(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, o
         return states
 
     skipped = 0
-    segment = max(32, 4 * rc.pipeline.window) if rc.pipeline.cross else 1
+    segment = max(32, 4 * rc.pipeline.window)  # subnets back to back: flushed steps or a cross-subnet window
 
     def _record(step: int, arch: Any, res: Any, hold: bool = False) -> None:
         """One step's metrics record (``hold``: kept back for the monitor's columns), progress,

@@ -25,6 +25,7 @@ SPACES = {
     "transformer": dict(layers=6, width=32, candidates=["attn2", "ffn4", "conv3", "identity"], dropout=0.1),
     "conv": dict(layers=4, channels=8),
     "cell": dict(cells=3, channels=4),
+    "resmlp": dict(),  # a fixed op ("transition") mid-graph, which changes stage between subnets at P = 2
 }
 
 
@@ -122,7 +123,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     for r in results():
         bounds.append(list(getattr(getattr(engine, "stats", None), "bounds", ())))
         ahead += bool(getattr(getattr(engine, "stats", None), "planned_ahead", False))
-        early += getattr(getattr(engine, "stats", None), "early_migrated_ops", 0)
+        early = max(early, getattr(getattr(engine, "stats", None), "early_migrated_ops", 0))  # over the run
         losses.append(r.loss)
         mb_losses.append(list(r.microbatch_losses))
         migrated += r.migrated_ops

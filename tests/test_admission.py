@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from pipeline.plan.admission import SubnetWork, _admit, cross_subnet, flushed
-from pipeline.plan.schedule import Action, Schedule, ScheduleError, max_in_flight, one_f_one_b, validate
+from pipeline.plan.admission import ArenaBound, SubnetWork, _admit, cross_subnet, flushed, sequential
+from pipeline.plan.schedule import Action, Schedule, ScheduleError, Wait, max_in_flight, one_f_one_b, validate
 from pipeline.plan.simulate import simulate
 from test_schedule import _subnets
 
@@ -396,13 +396,25 @@ def test_validator_rejects_updates_out_of_subnet_order_for_delayed_ops() -> None
     assert validate(frozen) is frozen  # never updated: no order
 
 
-def test_validator_rejects_a_moving_delayed_or_frozen_op() -> None:
+def test_delayed_and_frozen_ops_move_between_stages() -> None:
+    """A shared op mid-graph changes stage with the subnet: it moves like any op (a state
+    message after its previous user's update), and a later subnet reading it without waiting
+    for that update still reads it after the first forward of the user it arrived with."""
     uses = (({"w"}, set()), (set(), {"w"}))
     rows = ["0F0 0B0 0U 0F0@1 0B0@1 0U@1", "1F0 1B0 1U 1F0@1 1B0@1 1U@1"]
-    for kw, word in ((dict(delayed=frozenset({"w"}), delay=1), "delayed"), (dict(frozen=frozenset({"w"})), "frozen")):
-        with pytest.raises(ScheduleError, match=f"{word} op 'w' runs on stages \\[0, 1\\]"):
-            validate(_subnets(rows, 2, uses, **kw))
-    assert validate(_subnets(rows, 2, uses))  # an exact op may move
+    for kw in (dict(delayed=frozenset({"w"}), delay=1), dict(frozen=frozenset({"w"})), {}):
+        sch = validate(_subnets(rows, 2, uses, **kw))
+        assert [(mv.op, mv.src, mv.dst, str(mv.after)) for mv in sch.rule.moves()] == [("w", 0, 1, "0U")]
+    # users on stages 0, 1, 0, 0: subnet 3 reads w (delayed) after subnet 2 brought it back
+    uses4 = tuple(({"w"}, set()) if s == 0 else (set(), {"w"}) for s in (0, 1, 0, 0))
+    row1 = "1F0 1B0 1U 1F0@1 1B0@1 1U@1 1F0@2 1B0@2 1U@2 1F0@3 1B0@3 1U@3"
+    sch = validate(_subnets(["0F0 0B0 0U 0F0@1 0B0@1 0U@1 0F0@2 0B0@2 0F0@3 0B0@3 0U@2 0U@3", row1], 4, uses4,
+                            delayed=frozenset({"w"}), delay=1))
+    assert Wait(Action(0, "F", 0, 2)) in sch.rule.waits(Action(0, "F", 0, 3))
+    overtaking = _subnets(["0F0 0B0 0U 0F0@1 0B0@1 0U@1 0F0@3 0B0@3 0F0@2 0B0@2 0U@2 0U@3", row1], 4, uses4,
+                          delayed=frozenset({"w"}), delay=1)
+    with pytest.raises(ScheduleError):
+        validate(overtaking)
 
 
 def test_validator_on_cross_subnet_shapes() -> None:
@@ -434,3 +446,35 @@ def test_cross_subnet_rejects_bad_inputs() -> None:
         cross_subnet([_work([set(), set()])], 1, 1, cap=[1])
     with pytest.raises(ScheduleError, match="SubnetWork.fwd"):
         SubnetWork((frozenset(),), (-1.0,), (1.0,))
+
+
+def test_sequential_runs_each_subnet_flushed_then_its_update() -> None:
+    uses = (({"a"}, {"b"}), ({"a"}, {"c"}))
+    sch = validate(sequential(one_f_one_b(2, 2), uses))
+    assert [" ".join(map(str, row)) for row in sch.actions] == [
+        "0F0 0F1 0B0 0B1 0U 0F0@1 0F1@1 0B0@1 0B1@1 0U@1",
+        "1F0 1B0 1F1 1B1 1U 1F0@1 1B0@1 1F1@1 1B1@1 1U@1"]
+    with pytest.raises(ScheduleError, match="sequential"):
+        sequential(sch, uses)
+
+
+def test_an_arena_bound_keeps_the_subnets_in_flight_within_it() -> None:
+    """Disjoint subnets overlap freely; under an arena that holds one subnet's ops per stage,
+    a subnet begins on a stage only after the one before is updated there; under one that holds
+    two, they overlap again. Every schedule validates."""
+    T, P, M = 4, 2, 2
+    work = [SubnetWork(tuple({f"op{t}_{s}"} for s in range(P)), (1.0,) * P, (2.0,) * P) for t in range(T)]
+    footprint = {f"op{t}_{s}": 60 for t in range(T) for s in range(P)}
+
+    def overlaps(sch: Schedule) -> int:
+        n = 0
+        for row in sch.actions:
+            pos = {a: i for i, a in enumerate(row)}
+            n += sum(pos[Action(a.stage, "F", 0, t + 1)] < pos[Action(a.stage, "U", 0, t)]
+                     for a in row if a.kind == "U" and (t := a.subnet) + 1 < T)
+        return n
+
+    free = validate(cross_subnet(work, M, 3))
+    tight = validate(cross_subnet(work, M, 3, arena=ArenaBound((100,) * P, footprint)))
+    roomy = validate(cross_subnet(work, M, 3, arena=ArenaBound((120,) * P, footprint)))
+    assert overlaps(free) > 0 and overlaps(tight) == 0 and overlaps(roomy) > 0

@@ -59,10 +59,10 @@ def test_replicated_stages_are_bit_identical_to_reference(stages: int, replicas:
 
 def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_action() -> None:
     sc = [Scenario("transformer", "1f1b", steps=4, extra={"stages": 2})]
-    _, procs, seconds = spawn(4, sc, timeout_s=150, env_extra={"PIPENAS_FAULT": "3:2:optimizer:raise"}, expect_ok=False)
+    _, procs, seconds = spawn(4, sc, timeout_s=150, env_extra={"PIPENAS_FAULT": "3:2:1U:raise"}, expect_ok=False)
     assert all(p is not None for p in procs), "a rank hung"
     assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
-    assert "rank 3 (replica 1, stage 1) failed at step 2 during optimizer" in procs[3].stderr, procs[3].stderr[-2000:]
+    assert "rank 3 (replica 1, stage 1) failed at step 2 during 1U" in procs[3].stderr, procs[3].stderr[-2000:]
     for r in (0, 1, 2):
-        assert "root cause: rank 3 failed at step 2 during optimizer" in procs[r].stderr, procs[r].stderr[-2000:]
+        assert "root cause: rank 3 failed at step 2 during 1U" in procs[r].stderr, procs[r].stderr[-2000:]
     assert seconds < 120

@@ -34,7 +34,7 @@ def test_ranks_that_disagree_on_the_subnet_stop_before_anything_moves(ahead: boo
     for r, p in enumerate(procs):
         assert p.returncode != 0
         assert f"rank {r} (stage {r}) failed at step 2 during plan" in p.stderr, p.stderr[-2000:]
-        assert "ranks disagree on the subnet or its partition" in p.stderr, p.stderr[-2000:]
+        assert "ranks disagree on the segment's subnets, partitions or schedule" in p.stderr, p.stderr[-2000:]
     assert seconds < 100
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import MemorySettings, PipelineSettings
-from pipeline.layout import Layout, LayoutError, replicas_allowed, resolve_layout
+from pipeline.layout import Layout, LayoutError, resolve_layout
 from supernet.spaces import conv
 from tests.cli_driver import Case, run_cases
 from tests.test_app import TINY, TINY_CONV
@@ -44,12 +44,9 @@ def test_every_fixed_layout(world: int, micro: int) -> None:
                 _layout(stages, world, micro)
         else:
             assert _layout(stages, world, micro) == Layout(s, world // s)
-            for shared, memory in (("delayed", None), ("frozen", None), ("exact", BUDGET)):
-                if world // s > 1:
-                    with pytest.raises(LayoutError, match="with replicated stages"):
-                        _layout(stages, world, micro, shared, memory)
-                else:
-                    assert _layout(stages, world, micro, shared, memory) == Layout(s, 1)
+            for shared, memory in (("delayed", None), ("frozen", None), ("exact", BUDGET), ("delayed", BUDGET)):
+                # replicas combine with every shared-op mode and a budget (pipeline/combinations.py)
+                assert _layout(stages, world, micro, shared, memory) == Layout(s, world // s)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -57,10 +54,7 @@ def test_auto_picks_a_layout_the_settings_allow(world: int) -> None:
     free = _layout("auto", world, 4)
     assert free.stages * free.replicas == world and 4 % free.replicas == 0
     for shared, memory in (("delayed", None), ("exact", BUDGET)):
-        assert _layout("auto", world, 4, shared, memory).replicas == 1  # replicas do not combine with these
-    assert replicas_allowed(PipelineSettings(), None) is None
-    assert "pipeline.shared_ops" in replicas_allowed(PipelineSettings(shared_ops="delayed"), None)
-    assert "memory.device_budget_bytes" in replicas_allowed(PipelineSettings(), BUDGET)
+        assert _layout("auto", world, 4, shared, memory) == free  # they combine with replicas: the same pick
 
 
 def test_layout_errors_from_the_command_line_write_nothing(tmp_path: Path) -> None:
@@ -73,10 +67,9 @@ def test_layout_errors_from_the_command_line_write_nothing(tmp_path: Path) -> No
                                                               "[1, 3]), 'auto' or null, found 2"),
         "4 processes, 1 stage, 2 micro-batches": (["pipeline.stages=1", "train.microbatches=2"], "4",
                                                   "train.microbatches: expected a multiple of the replica count 4"),
-        "replicas and delayed": (["pipeline.stages=1", "pipeline.shared_ops=delayed"], "2",
-                                 "pipeline.shared_ops: expected 'exact' with replicated stages, found 'delayed'"),
-        "replicas and a budget": (["pipeline.stages=1", "memory.device_budget_bytes=1000000"], "2",
-                                  "memory.device_budget_bytes: expected null with replicated stages"),
+        "clipping in a cross-subnet schedule": (["pipeline.stages=1", "pipeline.window=4", "train.clip_grad_norm=1"],
+                                                "2", "train.clip_grad_norm / pipeline.window, pipeline.shared_ops: "
+                                                     "found window 4 and shared_ops 'exact' with clipping"),
     }
     run = [Case([*TINY_CONV, *TINY, *args, f"hydra.run.dir={tmp_path}/rejected"], str(tmp_path),
                  {"RANK": "0", "WORLD_SIZE": world} if world else {}) for args, world, _ in cases.values()]

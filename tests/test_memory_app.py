@@ -52,7 +52,7 @@ def test_a_budget_that_forces_swaps_trains_the_same_weights(tmp_path: Path) -> N
     ("memory.activations=all", "memory.activations: expected one of ['keep', 'swap', 'recompute', 'auto']"),
     ("memory.host_link_bandwidth=-1", "memory.host_link_bandwidth: expected a positive number"),
     ("memory.device_budget_bytes=20000 pipeline.memory_budget_bytes=1e6",
-     "pipeline.memory_budget_bytes: expected null when the tensor manager has a budget"),
+     "pipeline.memory_budget_bytes / memory.device_budget_bytes: found pipeline.memory_budget_bytes 1000000.0"),
 ])
 def test_bad_memory_settings_name_the_field(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:

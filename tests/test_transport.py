@@ -68,9 +68,9 @@ def test_a_lost_rank_in_the_agreement_check_is_a_peers_failure(monkeypatch: pyte
     agreement = ag.Agreement(torch.device("cpu"), 1.0, enabled=True, group=object())
     with pytest.raises(PeerError) as info:
         if call == "check":
-            agreement.check(_Plan(), None)
+            agreement.check(_Plan().digest, "a plan", None)
         else:
-            agreement.post(_Plan())
+            agreement.post(_Plan().digest, "a plan")
             agreement.read()
     assert info.value.peer is None
     assert str(info.value) == f"the agreement check with the other ranks failed: {CLOSED.splitlines()[0]}"

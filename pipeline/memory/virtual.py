@@ -239,13 +239,18 @@ class VirtualStore(WorkingSet):
             p.grad = g
 
     @_timed
-    def release_step(self, advance: bool = True) -> MemoryStats:
-        """Unpin the step's ops, move the future on (``advance``) and keep prefetching; returns
-        the counters of the step since the last release."""
-        self.pinned.clear()
-        self.in_use.clear()
-        if advance and self.future:
-            self.future.pop(0)
+    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0) -> MemoryStats:
+        """Unpin the step's ops (``ops``: only those, while other subnets in flight keep theirs
+        pinned), move the future on (``advance``: its entry ``done`` is over) and keep
+        prefetching; returns the counters since the last release."""
+        if ops is None:
+            self.pinned.clear()
+            self.in_use.clear()
+        else:
+            self.pinned.difference_update(ops)
+            self.in_use.difference_update(ops)
+        if advance and done < len(self.future):
+            self.future.pop(done)
         self._pump()
         return self.counters.end_step(self.arena.used)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from .clock import Clock
 from .schedule import Action, Schedule, ScheduleError, WaitRule
 
-__all__ = ["SubnetWork", "cross_subnet", "flushed", "in_flight_bound"]
+__all__ = ["ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential"]
 
 _PRIORITY = {"U": 0, "B": 1, "F": 2}
 
@@ -66,22 +66,65 @@ class SubnetWork:
             object.__setattr__(self, name, v)
 
 
+@dataclass(frozen=True)
+class ArenaBound:
+    """The tensor manager's device arena per stage (``capacity``, bytes) and the bytes each op
+    with state takes there (``footprint``): a subnet begins on a stage only when its ops fit
+    beside those of the subnets in flight there (the manager pins a subnet's ops from its first
+    forward to its update)."""
+
+    capacity: tuple[int, ...]
+    footprint: Mapping[str, int]
+
+    def bytes_of(self, ops) -> int:
+        return sum(self.footprint.get(op, 0) for op in ops)
+
+
 def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int, *,
                  frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(), delay: int = 0,
                  origin: Mapping[str, int] | None = None, state_time: Mapping[str, float] | None = None,
-                 cap: Sequence[int] | None = None, name: str = "cross") -> Schedule:
+                 cap: Sequence[int] | None = None, name: str = "cross", arena: ArenaBound | None = None) -> Schedule:
     """The schedule of ``work`` (subnets in training order) with at most ``window`` unfinished.
 
     ``state_time[op]``: seconds an op's move takes (default 0); ``origin``: each op's stage
-    before the first action. Raises :class:`ScheduleError` for inputs of the wrong shape.
+    before the first action; ``arena``: the tensor manager's bound (None: every op resident).
+    Raises :class:`ScheduleError` for inputs of the wrong shape.
     """
     return _admit(work, num_microbatches, window, frozen=frozen, delayed=delayed, delay=delay, origin=origin,
-                  state_time=state_time, cap=cap, name=name)[0]
+                  state_time=state_time, cap=cap, name=name, arena=arena)[0]
+
+
+def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, frozen: frozenset[str] = frozenset(),
+               delayed: frozenset[str] = frozenset(), delay: int = 0, origin: Mapping[str, int] | None = None,
+               name: str | None = None) -> Schedule:
+    """Flushed steps back to back: subnet ``t`` runs the one-subnet schedule ``base`` (GPipe,
+    1F1B) and then its update ``U`` on every stage, before the stage begins subnet ``t + 1``.
+    Each update waits for the last stage's losses, so a subnet drains before the next begins:
+    today's step, per subnet, with the moves the wait rule implies between them::
+
+        P=2, M=2, 1F1B, two subnets
+        stage 0 |  0F0  0F1  0B0  0B1  0U  0F0@1  0F1@1  0B0@1  0B1@1  0U@1
+        stage 1 |  1F0  1B0  1F1  1B1  1U  1F0@1  1B0@1  1F1@1  1B1@1  1U@1
+    """
+    if base.updates or not base.training or base.num_subnets != 1:
+        raise ScheduleError(f"sequential: expected a one-subnet training schedule without updates, found "
+                            f"{base.name!r}")
+    P, T = base.num_stages, len(uses)
+    rows: list[list[Action]] = [[] for _ in range(P)]
+    for t in range(T):
+        for s in range(P):
+            rows[s] += [Action(a.stage, a.kind, a.microbatch, t) for a in base.actions[s]]
+            rows[s].append(Action(s, "U", 0, t))
+    return Schedule(name or f"{base.name}+U", P, base.num_microbatches, tuple(tuple(r) for r in rows),
+                    num_subnets=T, uses=tuple(tuple(u) for u in uses), frozen=frozenset(frozen),
+                    delayed=frozenset(delayed), delay=delay,
+                    origin=tuple(sorted(origin.items())) if origin is not None else None)
 
 
 def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, frozen: frozenset[str],
            delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None,
-           state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str) -> tuple[Schedule, Clock]:
+           state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str,
+           arena: ArenaBound | None = None) -> tuple[Schedule, Clock]:
     """:func:`cross_subnet`, and the clock that timed its choices (the builder's estimates)."""
     if not work:
         raise ScheduleError("cross_subnet: expected at least one subnet, found none")
@@ -135,13 +178,25 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
                                   and any(clock.end[j] is None for j in gate(t, s2))), default=-1)
         return d > s
 
+    def room(t: int, s: int) -> bool:
+        """Under an arena bound: subnet ``t`` may begin on stage ``s`` once every earlier subnet
+        has begun there (so none it waits for is kept out) and its ops fit beside those in
+        flight there, or nothing else is in flight (a lone subnet's fit is the planner's check)."""
+        if arena is None or nf[s][t] > 0:
+            return True
+        if any(nf[s][u] == 0 for u in range(lo, t)):
+            return False
+        flight = [u for u in range(lo, t) if not updated[s][u]]
+        held = frozenset().union(uses[t][s], *(uses[u][s] for u in flight))
+        return not flight or arena.bytes_of(held) <= arena.capacity[s]
+
     def candidates(s: int) -> list[int]:
         out = []
         admitted = range(lo, min(T, lo + window))
         ahead: bool | None = None  # may a subnet that waits further down run ahead on this stage?
         for t in admitted:
             f, b = nf[s][t], nb[s][t]
-            if f < M and live[s] < cap[s]:
+            if f < M and live[s] < cap[s] and room(t, s):
                 if blocked(t, s):
                     if ahead is None:
                         ahead = cap[s] > 1 and not any(nf[s][u] > nb[s][u] and blocked(u, s) for u in admitted)

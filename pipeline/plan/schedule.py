@@ -198,7 +198,10 @@ class WaitRule:
     * with ``uses``: ``F(t, 0, s)`` waits, for each op it runs, for the update that produces the
       version it reads — the last earlier subnet using the op (exact), the one ``delay + 1``
       users back (delayed), none (frozen) — on the stage that op had then (a ``state`` message
-      when it moves); ``U(t, s)`` of a delayed op waits for the previous update of that op.
+      when it moves); ``U(t, s)`` of a delayed op waits for the previous update of that op; a
+      delayed or frozen op, read without waiting for the previous user's update, is read after
+      the first forward of the user it last arrived on this stage with (it moves between stages
+      with its versions, so a later subnet cannot overtake its arrival).
 
     Each wait names the message it receives, so a sender knows what to send after each action
     (:meth:`sends`) and a receiver in which order messages come (:meth:`channel`).
@@ -273,6 +276,24 @@ class WaitRule:
                 yield Wait(None, "state", op)
         elif prev[1] != s:
             yield Wait(Action(prev[1], "U", 0, prev[0]), "state", op)
+        elif op in self.delayed or op in self.frozen:
+            # read without waiting for the previous user's update, but the op itself must be
+            # here: after the first forward of the user it arrived with, when it moved
+            arrival = self._arrival(op, k, s)
+            if arrival is not None:
+                yield Wait(Action(s, "F", 0, arrival))
+
+    def _arrival(self, op: str, k: int, s: int) -> int | None:
+        """The subnet with which ``op`` last arrived on stage ``s`` before its ``k``-th user
+        (the users since then all on ``s``), or None when it has not moved there."""
+        us = self.users[op]
+        for j in range(k - 1, -1, -1):
+            if us[j][1] != s:
+                return None
+            before = us[j - 1][1] if j > 0 else (self.origin.get(op, s) if self.origin is not None else s)
+            if before != s:
+                return us[j][0]
+        return None
 
     def moves(self) -> tuple[Move, ...]:
         """Every op move the schedule implies, in subnet order."""
@@ -530,22 +551,19 @@ def _check_microbatch_order(schedule: Schedule) -> None:
 
 
 def _check_update_order(schedule: Schedule) -> None:
-    """Ops read the version the rule says: a forward after the update it reads on its own stage,
-    and ops read late (delayed) or never updated (frozen) keep their stage."""
+    """Ops read the version the rule says: a forward after the update it reads on its own stage
+    (an op that moved waits for its state message, sent after its previous user's update, so the
+    updates it depends on elsewhere are done by then; delayed and frozen ops move with their
+    versions like any other)."""
     if schedule.uses is None:
         return
     rule = schedule.rule
-    for op in sorted(schedule.delayed | schedule.frozen):
-        stages = {s for _, s in rule.users.get(op, ())}
-        if len(stages) > 1:
-            mode = "delayed" if op in schedule.delayed else "frozen"
-            raise ScheduleError(f"schedule {schedule.name!r}: {mode} op {op!r} runs on stages {sorted(stages)}; "
-                                f"a {mode} op must keep one stage in every subnet")
     for s, row in enumerate(schedule.actions):
         pos = {a: i for i, a in enumerate(row)}
         for a in row:
             for w in rule.waits(a):
-                if w.message is None and w.action is not None and pos.get(w.action, len(row)) > pos[a]:
+                if (w.message is None and w.action is not None and w.action.stage == s
+                        and pos.get(w.action, len(row)) > pos[a]):
                     if w.action.kind == "U" and a.kind in "FU":
                         op = sorted(schedule.uses[a.subnet][s] & schedule.uses[w.action.subnet][s])
                         raise _fail(schedule, (

@@ -79,12 +79,13 @@ def check_input_shape(space: str, value: Any, ndims: Sequence[int]) -> tuple[int
 
 
 # The space modules import the helpers above, so they come after them.
-from . import cell, conv, transformer  # noqa: E402
+from . import cell, conv, resmlp, transformer  # noqa: E402
 
 SPACES: dict[str, Callable[..., SupernetGraph]] = {
     "transformer": transformer.build,
     "conv": conv.build,
     "cell": cell.build,
+    "resmlp": resmlp.build,
 }
 
 

@@ -1,0 +1,74 @@
+"""What combines with what: the one table of the limits that remain, checked before any rank starts.
+
+Every combination of ``pipeline.window`` >= 1, ``pipeline.shared_ops`` exact / delayed / frozen,
+replicated stages (R >= 1) and a tensor-manager budget (``memory.device_budget_bytes`` or
+``device_budget_fraction``, every policy, optimizer placement and activation mode) runs through
+the one stage executor (:mod:`pipeline.executor`) and computes the one-process run's bits. What
+does not combine is listed here, once, as data; :func:`check` raises the first row that applies
+as one line naming the fields, what was found and what to set instead. The app calls it when it
+reads the config (every rank, before anything is written); the engine calls it again.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .memory import MemorySettings
+from .settings import PipelineSettings
+
+__all__ = ["CombinationError", "Limit", "LIMITS", "check", "limits_table"]
+
+
+class CombinationError(ValueError):
+    """Settings that do not (yet) combine."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the table reads of a run's settings."""
+
+    pipeline: PipelineSettings
+    memory: MemorySettings
+    clip_grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One row: the fields, when the row applies, why, and what to set instead."""
+
+    fields: str
+    applies: Callable[[Run], bool]
+    found: Callable[[Run], str]
+    why: str
+    instead: str
+
+
+LIMITS: tuple[Limit, ...] = (
+    Limit("train.clip_grad_norm / pipeline.window, pipeline.shared_ops",
+          lambda r: r.clip_grad_norm is not None and r.pipeline.cross,
+          lambda r: f"window {r.pipeline.window} and shared_ops {r.pipeline.shared_ops!r} with clipping",
+          "the norm is a collective over the stages at each update, and inside a cross-subnet schedule a stage's "
+          "update may come after a forward of the next subnet that waits for another stage's update",
+          "set train.clip_grad_norm=null, or window=1 and shared_ops=exact"),
+    Limit("pipeline.memory_budget_bytes / memory.device_budget_bytes",
+          lambda r: r.memory.virtual and r.pipeline.memory_budget_bytes is not None,
+          lambda r: f"pipeline.memory_budget_bytes {r.pipeline.memory_budget_bytes!r} beside a tensor-manager budget",
+          "the manager's arena bounds each stage's split",
+          "set pipeline.memory_budget_bytes=null"),
+)
+
+
+def check(pipeline: PipelineSettings, memory: MemorySettings | None, clip_grad_norm: float | None = None) -> None:
+    """Raise :class:`CombinationError` for the first row of :data:`LIMITS` that applies."""
+    run = Run(pipeline, memory if memory is not None else MemorySettings(), clip_grad_norm)
+    for limit in LIMITS:
+        if limit.applies(run):
+            raise CombinationError(f"{limit.fields}: found {limit.found(run)}, which do not combine: {limit.why}; "
+                                   f"{limit.instead}")
+
+
+def limits_table() -> str:
+    """The table as Markdown (the README's copy is checked against it)."""
+    rows = ["| settings | why they do not combine | instead |", "|---|---|---|"]
+    rows += [f"| `{lim.fields}` | {lim.why} | {lim.instead} |" for lim in LIMITS]
+    return "\n".join(rows)

@@ -1,0 +1,312 @@
+"""The stage executor: one rank's actions of any validated schedule, one subnet or many in flight.
+
+A flushed step is a one-subnet schedule with an update per stage (:func:`pipeline.plan.admission.sequential`);
+a cross-subnet segment (:mod:`pipeline.plan.admission`) keeps several subnets in flight. Both
+run here; :class:`~pipeline.plan.schedule.WaitRule` says what each action waits for and sends,
+and this executor only follows it:
+
+* every message another stage sends this one arrives on its channel in sending order
+  (activations, gradients and losses on the schedule's channel; op states on their own); the
+  executor receives a channel in that order, keeping what comes before it is needed, so stages
+  may run subnets in different orders (a later subnet overtaking a blocked one);
+* **payload only** when every plan of the segment knows its wire specs (:mod:`pipeline.wire`):
+  each channel's next message is posted as soon as the one before it is taken, so it arrives
+  while this stage computes (gloo); on NCCL, whose pair streams run in order, a receive is
+  posted when it is needed (never in front of a send its answer needs). Without wire specs the
+  messages describe themselves;
+* a forward of subnet ``t`` reads its ops as the rule says: an op that moves arrives (and is
+  adopted) before the subnet's first forward here; shared ops come from :class:`SharedOps`;
+* **the tensor manager** (:class:`~pipeline.memory.TensorManager`) is told this stage's use
+  order across the whole segment (the subnets by their first forward here: Belady sees the exact
+  future), pins a subnet's ops from its first forward to its update and unpins them then (an op
+  another subnet in flight still uses stays pinned); the admission builder bounded the ops
+  pinned at once by the arena;
+* an update ``U`` steps the subnet's ops on this stage, once its micro-batch losses are here
+  (the last stage sends them to every stage at its own update); a loss that is not finite skips
+  it, on every stage alike; then the ops the next user needs elsewhere leave.
+
+Gradients of one subnet accumulate in ascending micro-batch order and no two subnets in flight
+share an op with state except through the versions the rule names, so every op sees the same
+updates, in the same order, with the same gradients as in the single-process reference.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from supernet import SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
+
+from .engine import activation_policy, update
+from .failures import FailureReporter
+from .lookahead import Plan
+from .memory import MemoryStats
+from .plan.schedule import Action, Schedule, Wait
+from .shared import SharedOps
+from .trace import Tracer
+from .transport import PostedRecv, Transport
+from .wire import TensorSpec
+
+__all__ = ["StageExecutor", "SegmentRun", "Segment"]
+
+_CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}  # an action's kind -> its trace category
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Subnets trained back to back: their steps, plans, batches and learning rates, and the
+    schedule that runs them (local subnet ``t`` is ``steps[t]``). ``after``: this stage's op
+    sets of the subnets known to follow the segment (the tensor manager fetches toward them)."""
+
+    steps: tuple[int, ...]
+    plans: tuple[Plan, ...]
+    schedule: Schedule
+    batches: tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], ...]  # per subnet: its micro-batches
+    batch_sizes: tuple[int, ...]
+    lrs: tuple[float, ...]
+    after: tuple[frozenset[str], ...] = ()
+
+
+@dataclass
+class SegmentRun:
+    """What one segment measured on this stage."""
+
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    update_s: float = 0.0
+    moved_bytes: list[int] = field(default_factory=list)  # per subnet: bytes this stage sent ahead of it
+    moved_wait_s: list[float] = field(default_factory=list)  # per subnet: waiting here for the ops it moved in
+    memory: list[MemoryStats | None] = field(default_factory=list)  # per subnet: the tensor manager's counters
+    max_in_flight: int = 0
+    swapped_bytes: int = 0
+    recomputed_ops: int = 0
+
+
+# A stage's clipping for one subnet's update: (step, plan) -> the clip callable, or None
+Clipper = Callable[[int, Plan], Callable | None]
+
+
+class StageExecutor:
+    def __init__(self, rank: int, graph: SupernetGraph, tensors, shared: SharedOps, transport: Transport,
+                 state_transport: Transport, failures: FailureReporter, tracer: Tracer, device: torch.device,
+                 seed: int, reducer=None, offset: int = 0, clipper: Clipper | None = None) -> None:
+        self.rank, self.graph, self.tensors, self.shared = rank, graph, tensors, shared
+        # replicated stages (pipeline/replicas.py): ``reducer`` folds the replicas' gradients at
+        # each U action; ``offset`` is the global index of this replica's first micro-batch
+        self.reducer, self.offset, self.clipper = reducer, offset, clipper
+        self.transport, self.state_transport = transport, state_transport
+        self.failures, self.tracer, self.device, self.seed = failures, tracer, device, seed
+        self._specs = {slot.op_id: slot.spec for slot in graph.slots()}
+        self._stateless: dict[str, nn.Module] = {}
+
+    def _module(self, op: str, step: int) -> nn.Module:
+        """The module subnet ``step`` runs for ``op``: this rank's (or a shared op's version);
+        an op without state runs from a local instance wherever it is (nothing to move)."""
+        if self.tensors.owns(op):
+            m = self.shared.module(op, step)
+            return self.reducer.watch(m) if self.reducer is not None else m
+        m = self._stateless.get(op)
+        if m is None:
+            m = self._stateless[op] = build_op(self._specs[op], op, self.seed).to(self.device)
+        return m
+
+    def run(self, seg: Segment) -> tuple[list[tuple[float, ...]], SegmentRun]:
+        """Run this rank's actions of ``seg``; returns every subnet's micro-batch losses (on
+        every rank) and this stage's figures."""
+        with self.reducer.recorded() if self.reducer is not None else nullcontext():
+            return self._run(seg)
+
+    def _run(self, seg: Segment) -> tuple[list[tuple[float, ...]], SegmentRun]:
+        sch, me = seg.schedule, self.rank
+        rule, P, M = sch.rule, sch.num_stages, sch.num_microbatches
+        last = P - 1
+        tr, st = self.transport, self.state_transport
+        row = sch.actions[me]
+        T = sch.num_subnets
+        stats = SegmentRun(moved_bytes=[0] * T, moved_wait_s=[0.0] * T, memory=[None] * T)
+        for_subnet = {(mv.after, mv.op): mv.before.subnet for mv in rule.moves()}
+        inbox = _Inbox(self, seg, stats)
+        origin = dict(sch.origin or ())  # the stage each op with state starts the segment on
+
+        def emit(a: Action | None, out: Sequence[torch.Tensor | None] | None, losses: torch.Tensor | None,
+                 kinds: tuple[str, ...] = ("activation", "gradient", "losses", "state")) -> None:
+            """Send what the rule says ``a`` sends (only the messages of ``kinds``)."""
+            for dst, w in rule.sends(a, me):
+                if w.message not in kinds:
+                    continue
+                if w.message == "state":
+                    n = st.send_state(w.op, {**self.tensors.export(w.op), **self.shared.export_versions(w.op)}, dst)
+                    stats.moved_bytes[for_subnet[(a, w.op)]] += n
+                    self.shared.drop(w.op)
+                else:
+                    inbox.send([losses] if w.message == "losses" else out, dst)
+
+        # the tensor manager: this stage's subnets in the order they begin here, each one's ops
+        order = [a.subnet for a in row if a.kind == "F" and a.microbatch == 0]
+        uses = sch.uses or tuple((frozenset(),) * P for _ in seg.steps)
+        pending = list(order)  # subnets not yet updated here, in the manager's future order
+        pinned: dict[int, frozenset[str]] = {}  # subnets in flight here -> their ops
+        self.tensors.prefetch([uses[t][me] for t in order] + list(seg.after))
+
+        runs: dict[tuple[int, int], SliceRun] = {}
+        head: dict[tuple[int, int], torch.Tensor] = {}
+        losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
+                  for _ in seg.steps]
+        values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
+        policies = [activation_policy(p.stage_activations(me)) for p in seg.plans]
+        with self.failures.failing(seg.steps[0], "migrate"):
+            emit(None, None, None)  # ops whose first use here is on another stage than their owner
+        with self.failures.failing(seg.steps[0], "recv"):
+            inbox.start()  # payload only: each channel's first receive is posted before any action
+        for a in row:
+            t, m = a.subnet, a.microbatch
+            step, plan = seg.steps[t], seg.plans[t]
+            shown = Action(a.stage, a.kind, a.microbatch)  # the step names the subnet
+            cat = _CATEGORY[a.kind]
+            with self.failures.failing(step, shown, mark=a), self.tracer.span(step, str(shown), cat):
+                inputs = None
+                for w in rule.waits(a):
+                    if w.message is None or (w.action is not None and w.action.stage == me):
+                        continue
+                    src = w.action.stage if w.action is not None else origin[w.op]
+                    value = inbox.take(w, src, step, t)
+                    if w.message in ("activation", "gradient"):
+                        inputs = value
+                    elif w.message == "losses":
+                        losses[t] = value[0]
+                a0 = time.perf_counter()
+                if a.kind == "F":
+                    if m == 0:
+                        pinned[t] = uses[t][me]
+                        self.tensors.ensure(uses[t][me])  # after the moves it waited for: owned by now
+                        for op in sorted(uses[t][me]):
+                            self.shared.begin(op, step)
+                    run = SliceRun(plan.slices[me], lambda op, step=step: self._module(op, step),
+                                   op_contexts(self.seed, step, m + self.offset, True), policies[t])
+                    outs = run.forward([seg.batches[t][m][0]] if me == 0 else inputs)
+                    runs[(t, m)] = run
+                    stats.max_in_flight = max(stats.max_in_flight, len(runs))
+                    out = None
+                    if me == last:
+                        loss = classification_loss(outs[0], seg.batches[t][m][1], seg.batch_sizes[t])
+                        losses[t][m] = loss.detach()
+                        head[(t, m)] = loss
+                    else:
+                        out = outs
+                    stats.busy_s += time.perf_counter() - a0
+                    emit(a, out, None)
+                elif a.kind == "B":
+                    run = runs.pop((t, m))
+                    grads = run.backward_loss(head.pop((t, m))) if me == last else run.backward(inputs)
+                    stats.busy_s += time.perf_counter() - a0
+                    emit(a, grads if me > 0 else None, None)
+                else:
+                    emit(a, None, losses[t], kinds=("losses",))  # (last stage) every update needs them
+                    # every replica's losses (with replicas), in micro-batch order
+                    values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, plan, seg.lrs[t],
+                                             tuple(losses[t].tolist()))
+                    ops = pinned.pop(t, frozenset())
+                    still = frozenset().union(*pinned.values())  # ops another subnet in flight here runs
+                    stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t))
+                    pending.remove(t)
+                    stats.update_s += time.perf_counter() - a0
+                    emit(a, None, None, kinds=("state",))  # then the ops the next user needs elsewhere leave
+        with self.failures.failing(seg.steps[-1], "flush"):
+            tr.flush()
+            st.flush()
+        for policy in policies:
+            if policy is not None:
+                stats.swapped_bytes += policy.swapped_bytes
+                stats.recomputed_ops += policy.recomputed_ops
+        return [v if v is not None else () for v in values], stats
+
+    def _update(self, ops: frozenset[str], step: int, plan: Plan, lr: float,
+                mb_losses: Sequence[float]) -> tuple[float, ...]:
+        """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
+        (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
+        flight keep theirs); returns the micro-batch losses it decided on. With replicas the
+        gradients are folded on the modules the subnet ran (a delayed op's private version)
+        before they go to the live op."""
+        ordered = sorted(ops)
+        if self.reducer is not None:
+            with self.tracer.span(step, "reduce", "reduce"):
+                mb_losses = self.reducer.fold(mb_losses, [self._module(op, step) for op in ordered])
+        clip = self.clipper(step, plan) if self.clipper is not None else None
+        with self.shared.updating(ordered, step) as stepped:
+            update(self.tensors, stepped, lr, mb_losses, clip)
+        return tuple(mb_losses)
+
+
+class _Inbox:
+    """The messages this stage receives from its peers in one segment, channel by channel in
+    sending order; payload only (posted ahead) when every plan knows its wire specs."""
+
+    def __init__(self, ex: StageExecutor, seg: Segment, stats: SegmentRun) -> None:
+        sch, me = seg.schedule, ex.rank
+        self.ex, self.seg, self.stats, self.me = ex, seg, stats, me
+        self.tr, self.st = ex.transport, ex.state_transport
+        self.wired = sch.num_stages > 1 and all(p.wires is not None for p in seg.plans)
+        self.ahead = self.wired and not self.tr.batched  # NCCL: post at need (pair streams run in order)
+        self.queues: dict[int, deque[Wait]] = {}
+        self.state_queues: dict[int, deque[Wait]] = {}
+        for src in range(sch.num_stages):
+            if src != me:
+                channel = sch.rule.channel(sch.actions, src, me)
+                self.queues[src] = deque(w for w in channel if w.message != "state")
+                self.state_queues[src] = deque(w for w in channel if w.message == "state")
+        self.got: dict[Wait, object] = {}
+        self.posted: dict[int, PostedRecv] = {}  # per channel: its next message's receive, posted
+        self.losses = (TensorSpec((sch.num_microbatches,), torch.float64),)
+
+    def _specs(self, w: Wait) -> tuple:
+        if w.message == "losses":
+            return self.losses
+        wires = self.seg.plans[w.action.subnet].wires
+        return wires.forward[self.me] if w.message == "activation" else wires.backward[self.me]
+
+    def _post(self, src: int) -> None:
+        if self.queues[src]:
+            self.posted[src] = self.tr.post_recv(src, self._specs(self.queues[src][0]))
+
+    def start(self) -> None:
+        if self.ahead:
+            for src in self.queues:
+                self._post(src)
+
+    def send(self, tensors: Sequence[torch.Tensor | None], dst: int) -> None:
+        if self.wired:
+            self.tr.send_payload(tensors, dst)
+        else:
+            self.tr.send(tensors, dst)
+
+    def take(self, w: Wait, src: int, step: int, subnet: int) -> object:
+        """The value of ``w`` from ``src`` for local subnet ``subnet`` (state: adopted),
+        receiving what comes before it on its channel."""
+        got = self.got
+        if w.message == "state":
+            w0 = time.perf_counter()
+            with self.ex.tracer.span(step, f"recv state {w.op}", "migrate"):
+                while w not in got:
+                    nxt = self.state_queues[src].popleft()
+                    self.ex.tensors.adopt(nxt.op, self.ex.shared.adopt_versions(nxt.op, self.st.recv_state(nxt.op, src)))
+                    got[nxt] = True
+            self.stats.moved_wait_s[subnet] += time.perf_counter() - w0
+            return got.pop(w)
+        w0 = time.perf_counter()
+        with self.ex.tracer.span(step, f"recv {w.message}", "recv-wait"):
+            while w not in got:
+                nxt = self.queues[src].popleft()
+                if not self.wired:
+                    got[nxt] = self.tr.recv(src)[0]
+                    continue
+                handle = self.posted.pop(src, None) or self.tr.post_recv(src, self._specs(nxt))
+                got[nxt] = handle.wait()
+                if self.ahead:
+                    self._post(src)  # the channel's next message arrives while this stage computes
+        self.stats.wait_s += time.perf_counter() - w0
+        return got.pop(w)
