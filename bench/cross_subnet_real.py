@@ -97,10 +97,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--comparisons", nargs="+", default=["over_flush", "vs_one_process"],
                     choices=["over_flush", "vs_one_process"])
+    ap.add_argument("--budget", type=float, default=None,
+                    help="over_flush with a tensor-manager budget of this fraction of the conv supernet's op state "
+                         "(memory.device_budget_bytes; both modes alike), e.g. 0.5")
     args = ap.parse_args(argv)
     M = args.microbatches
     base = ["threads=1", "sampler=fair", f"train.steps={args.steps}", "train.checkpoint_every=0",
             f"train.microbatches={M}", *QUICK_SEARCH]
+    if args.budget is not None:
+        from composition_table import op_state_bytes
+
+        args.budget_bytes = int(args.budget * op_state_bytes("conv"))
+        base.append(f"memory.device_budget_bytes={args.budget_bytes}")
     cross = [f"pipeline.window={args.window}", "pipeline.shared_ops=delayed", f"pipeline.shared_delay={args.delay}"]
     if "over_flush" in args.comparisons:
         over_flush(base, cross, args)
@@ -118,6 +126,7 @@ def over_flush(base: list[str], cross: list[str], args: argparse.Namespace) -> N
         "utilisation": statistics.median(r["utilisation"] for r in runs["cross"]),
         "flush_bound": statistics.median(r["utilisation"] for r in runs["flushed"]),
         "over_flush": med, "over_flush_range": rng, "rounds": args.rounds, "steps": args.steps,
+        **({"budget_bytes": args.budget_bytes, "budget_of_op_state": args.budget} if args.budget is not None else {}),
         "same_digest_each_mode": all(len({r["params_digest"] for r in rs}) == 1 for rs in runs.values()),
     }), flush=True)
 

@@ -209,7 +209,7 @@ class StageExecutor:
                     emit(a, None, losses[t], kinds=("losses",))  # (last stage) every update needs them
                     # every replica's losses (with replicas), in micro-batch order
                     values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, plan, seg.lrs[t],
-                                             tuple(losses[t].tolist()))
+                                             losses[t])
                     ops = pinned.pop(t, frozenset())
                     still = frozenset().union(*pinned.values())  # ops another subnet in flight here runs
                     stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t))
@@ -226,12 +226,13 @@ class StageExecutor:
         return [v if v is not None else () for v in values], stats
 
     def _update(self, ops: frozenset[str], step: int, plan: Plan, lr: float,
-                mb_losses: Sequence[float]) -> tuple[float, ...]:
+                losses: torch.Tensor) -> tuple[float, ...]:
         """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
         (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
-        flight keep theirs); returns the micro-batch losses it decided on. With replicas the
-        gradients are folded on the modules the subnet ran (a delayed op's private version)
-        before they go to the live op."""
+        flight keep theirs); returns the micro-batch losses it decided on. The subnet's one host
+        read: its losses (on the device until here). With replicas the gradients are folded on
+        the modules the subnet ran (a delayed op's private version) before they go to the live op."""
+        mb_losses = tuple(losses.tolist())
         ordered = sorted(ops)
         if self.reducer is not None:
             with self.tracer.span(step, "reduce", "reduce"):

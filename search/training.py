@@ -57,9 +57,12 @@ class Stop:
     faults: tuple[Fault, ...]
     rank: int
 
-    def before(self, index: int, point: str) -> None:
-        """Before unit ``index`` (the step; in the search, the arch's place in scoring order)."""
-        inject(self.faults, self.rank, index, point)
+    def before(self, index: int, point: str, count: int = 1) -> None:
+        """Before unit ``index`` (the step; in the search, the arch's place in scoring order).
+        ``count`` > 1: units ``index`` .. ``index + count - 1`` run as one (a batch of archs scored
+        on every process at once): the faults of each, on every rank, then one vote."""
+        for i in range(index, index + count):
+            inject(self.faults, self.rank, i, point)
         self.vote.post(self.interrupts.requested)
 
     def after(self, index: int, point: str) -> bool:
@@ -95,7 +98,9 @@ def train_supernet(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, o
         return states
 
     skipped = 0
-    segment = max(32, 4 * rc.pipeline.window)  # subnets back to back: flushed steps or a cross-subnet window
+    # subnets back to back in one schedule: a cross-subnet window, or one flushed step at a time (a
+    # crash, a signal or a non-finite loss then stops at the step, and its metrics line is written)
+    segment = max(32, 4 * rc.pipeline.window) if rc.pipeline.cross else 1
 
     def _record(step: int, arch: Any, res: Any, hold: bool = False) -> None:
         """One step's metrics record (``hold``: kept back for the monitor's columns), progress,

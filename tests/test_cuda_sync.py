@@ -3,7 +3,8 @@
 Runs only where CUDA is available (skipped in CI): one stage on one GPU (a world of one over
 NCCL), the stage executor's whole action list under ``torch.cuda.set_sync_debug_mode("error")``,
 which raises on any synchronising call (``.item()``, ``.tolist()``, ``bool(tensor)``, a
-blocking device-to-host copy). The losses are read once, after the last action.
+blocking device-to-host copy), except the subnet's update, which reads its losses once (after
+its last forward and backward) to decide whether to step.
 """
 from __future__ import annotations
 
@@ -31,8 +32,15 @@ def test_pipelined_step_has_no_host_sync_inside(space: str, schedule: str, monke
     optim = OptimConfig(name="adamw", lr=1e-3)
     engine = PipelineEngine(graph, 0, optim, 4, LrSchedule(1e-3, 10), PipelineSettings(schedule=schedule, backend="nccl"),
                             DistEnv(0, 1, 0), torch.device("cuda"))
-    inner = engine.stage.run
+    inner, inner_update = engine.executor.run, engine.executor._update
     guarded_runs = []
+
+    def update(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return inner_update(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
 
     def guarded(*args, **kwargs):
         torch.cuda.synchronize()
@@ -44,7 +52,8 @@ def test_pipelined_step_has_no_host_sync_inside(space: str, schedule: str, monke
         guarded_runs.append(1)
         return out
 
-    monkeypatch.setattr(engine.stage, "run", guarded)
+    monkeypatch.setattr(engine.executor, "run", guarded)
+    monkeypatch.setattr(engine.executor, "_update", update)
     try:
         rng = random.Random(0)
         for step in range(3):

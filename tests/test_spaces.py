@@ -15,7 +15,7 @@ from supernet import (
     INPUT, Arch, OpContext, OpSpec, SearchSpaceError, SliceRun, Supernet, SupernetError, SupernetGraph,
     classification_loss, cut, loss_and_grad, registered_ops,
 )
-from supernet.spaces import SPACES, build_space, cell, conv, transformer
+from supernet.spaces import SPACES, build_space, cell, conv, resmlp, transformer
 
 SHAPE = (1, 8, 8)  # one sklearn-digits image
 CLASSES = 10
@@ -30,6 +30,7 @@ SMALL: dict[str, dict] = {
     ),
     "conv": dict(),
     "cell": dict(),
+    "resmlp": dict(),
 }
 
 
@@ -54,7 +55,8 @@ def data(batch: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- structure -----------------------------------------------------------------------------
 def test_registry_maps_names_to_builders() -> None:
-    assert SPACES == {"transformer": transformer.build, "conv": conv.build, "cell": cell.build}
+    assert SPACES == {"transformer": transformer.build, "conv": conv.build, "cell": cell.build,
+                      "resmlp": resmlp.build}
 
 
 def test_transformer_structure() -> None:
@@ -96,6 +98,84 @@ def test_cell_structure_is_a_dag_of_edge_slots_and_sums() -> None:
     kinds = {s.op_id: s.spec.kind for s in g.slots()}
     assert kinds["c0_e1_0/none"] == "zero" and kinds["c0_e1_0/skip"] == "identity"
     assert kinds["c0_n2"] == "sum"
+
+
+def test_resmlp_structure_has_a_mid_graph_transition_and_a_two_branch_slot() -> None:
+    g = resmlp.build(input_shape=SHAPE, num_classes=CLASSES)
+    space = g.space()
+    assert space.labels == ("a0", "a1", "a2", "a3", "b0", "fork_l", "fork_r")
+    assert all(space.choice(l).values == resmlp.BLOCK_CANDIDATES for l in ("a0", "a3", "b0"))
+    assert space.choice("fork_l").values == space.choice("fork_r").values == resmlp.BRANCH_CANDIDATES
+    assert space.size() == 3**7
+    assert g.nodes() == ("stem", "a0", "a1", "a2", "a3", "transition", "b0", "fork_l", "fork_r", "merge", "head")
+    assert g.inputs_of("transition") == ("a3",) and g.inputs_of("b0") == ("transition",)
+    assert g.inputs_of("fork_l") == g.inputs_of("fork_r") == ("b0",)
+    assert g.inputs_of("merge") == ("b0", "fork_l", "fork_r") and g.inputs_of("head") == ("merge",)
+    specs = {s.op_id: s.spec for s in g.slots()}
+    assert specs["transition"].kwargs() == dict(d_in=24, d_out=32)
+    assert specs["a0/mlp"].kwargs() == dict(d=24, residual=True)
+    assert specs["fork_l/gated"].kwargs() == dict(d=32, residual=False) and specs["fork_r/none"].kind == "zero"
+    active = g.active_ops(space.random(random.Random(0)))
+    assert len(active) == 11 and active[5].op_id == "transition"  # the middle op of every subnet
+    small = resmlp.build(input_shape=(64,), num_classes=3, widths=[8, 4], blocks=[1, 0])
+    assert small.space().labels == ("a0", "fork_l", "fork_r")
+    assert {s.op_id: s.spec.kwargs() for s in small.slots()}["transition"] == dict(d_in=8, d_out=4)
+
+
+def test_resmlp_every_sampled_arch_trains() -> None:
+    """Fair rounds (every candidate of every slot) and the extremes: forward, backward, finite
+    gradients on every op with weights that ran (the ``none`` branch passes none back)."""
+    from search.samplers import make_sampler
+
+    graph, net = make("resmlp")
+    net.train()
+    x, y = data()
+    sampler = make_sampler("fair", graph.space(), SEED)
+    extremes = [Arch({**{l: "skip" for l in ("a0", "a1", "a2", "a3", "b0")}, "fork_l": "none", "fork_r": "none"}),
+                Arch({l: "mlp" for l in graph.space().labels})]
+    for arch in [sampler.next() for _ in range(12)] + extremes:
+        net.zero_grad(set_to_none=True)
+        loss = classification_loss(net(x, arch, step=1, microbatch=0), y, len(x))
+        loss.backward()
+        assert torch.isfinite(loss), arch
+        ran = {op.op_id for op in graph.active_ops(arch)}
+        for name, p in net.named_parameters():
+            if p.grad is not None:
+                assert torch.isfinite(p.grad).all(), (arch, name)
+        assert {"stem", "transition", "head"} <= ran
+        assert all(net.ops[o].fc.weight.grad is not None for o in ("stem", "transition", "head")), arch
+
+
+def test_resmlp_shared_ops_include_the_mid_graph_transition() -> None:
+    from pipeline.shared import shared_ops_of
+
+    graph = resmlp.build(input_shape=SHAPE, num_classes=CLASSES)
+    assert shared_ops_of(graph) == {"stem", "transition", "head"}  # merge is a stateless sum
+
+
+@pytest.mark.parametrize("microbatch", [4, 16])
+def test_resmlp_transition_lands_on_either_stage_of_two(microbatch: int) -> None:
+    """The exact 2-stage partition of the planner's cost model (analytic costs, as the lookahead
+    plans) puts ``transition`` on stage 0 for some subnets and on stage 1 for others: a test of
+    shared ops that move between stages can use this space."""
+    from pipeline.plan.costs import analytic_costs, subnet_problem
+    from pipeline.plan.partition import solve
+
+    graph = resmlp.build(input_shape=SHAPE, num_classes=CLASSES)
+    table = analytic_costs(graph, SHAPE, microbatch, "sgd")
+
+    def stage_of_transition(arch: Arch) -> int:
+        active = graph.active_ops(arch)
+        part = solve(subnet_problem(graph, active, table, 2, 4, "1f1b", 1e9, 5e-5))
+        return part.assignment([op.op_id for op in active])["transition"]
+
+    light_first = Arch({**{f"a{i}": "skip" for i in range(4)}, "b0": "mlp", "fork_l": "mlp", "fork_r": "mlp"})
+    heavy_first = Arch({**{f"a{i}": "mlp" for i in range(4)}, "b0": "skip", "fork_l": "none", "fork_r": "none"})
+    assert stage_of_transition(light_first) == 0 and stage_of_transition(heavy_first) == 1
+    space = graph.space()
+    rng = random.Random(3)
+    stages = [stage_of_transition(space.random(rng)) for _ in range(40)]
+    assert 0 < sum(stages) < len(stages), stages  # both stages among random subnets
 
 
 def test_importing_any_space_registers_every_space_op() -> None:
@@ -197,6 +277,12 @@ BAD_OPTIONS = [
     ("cell", dict(cells=1.5), ["cell.cells", "1.5"]),
     ("cell", dict(cells=True), ["cell.cells", "True"]),
     ("cell", dict(depth=3), ["unknown option 'depth'", "'cells'"]),
+    ("resmlp", dict(widths=[16]), ["resmlp.widths", "two ints", "[16]"]),
+    ("resmlp", dict(widths=[16, 0]), ["resmlp.widths", ">= 1", "0"]),
+    ("resmlp", dict(blocks=[2, -1]), ["resmlp.blocks", ">= 0", "-1"]),
+    ("resmlp", dict(blocks="4,1"), ["resmlp.blocks", "'4,1'"]),
+    ("resmlp", dict(width=16), ["unknown option 'width'", "Did you mean 'widths'"]),
+    ("resmlp", dict(num_classes=0), ["resmlp.num_classes"]),
 ]
 
 
@@ -210,7 +296,7 @@ def test_bad_options_name_the_option(space: str, options: dict, fragments: Seque
 
 
 def test_unknown_space_lists_the_known_ones() -> None:
-    with pytest.raises(SupernetError, match=r"unknown search space 'resnet'.*\['cell', 'conv', 'transformer'\]"):
+    with pytest.raises(SupernetError, match=r"unknown search space 'resnet'.*\['cell', 'conv', 'resmlp', 'transformer'\]"):
         build_space("resnet", input_shape=SHAPE, num_classes=CLASSES)
 
 

@@ -1,0 +1,129 @@
+"""Issue 22, from the command line: every combination trains to the one-process run's weights.
+
+For each layout (``torchrun`` P = 2, P = 3, and the (2, 2) mesh: ``--nproc_per_node=4
+pipeline.stages=2``), each ``pipeline.window`` (1, 4), each ``pipeline.shared_ops`` (exact,
+delayed, frozen) and without / with a tensor-manager budget below half of the supernet's op
+state, one run of ``python -m search`` as a user types it (``search=none``: train only, the
+``fair`` sampler, short), its ``params_digest`` beside the one-process run's with the same
+settings (``python -m search``, no layout, no budget: a budget changes where state lives, not
+the bits). The spaces rotate over the runs (conv, transformer, and resmlp, whose fixed
+``transition`` op sits mid-graph and changes stage between subnets), so every layout sees every
+space. The budget of a (space, layout) is the larger of the least the memory pre-check accepts
+(its error names it) and 45 % of the op state; a row says when the least is above half.
+
+    .venv/bin/python bench/composition_table.py [--steps 8] [--spaces conv transformer resmlp]
+
+One JSON line per run (``"kind": "run"``) and a last one with the counts (``"kind": "table"``).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LAYOUTS = {"P=2": (2, None), "P=3": (3, None), "(2,2)": (4, 2)}
+MODES = ("exact", "delayed", "frozen")
+
+
+def base_args(space: str, steps: int) -> list[str]:
+    return [f"space={space}", "search=none", "sampler=fair", f"train.steps={steps}", "train.warmup_steps=2",
+            "train.checkpoint_every=0", "train.monitor_every=0", "threads=1"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def digest_of(run_dir: Path) -> str | None:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()).get("params_digest") if path.exists() else None
+
+
+def run(cmd: list[str], run_dir: Path) -> tuple[int, float, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env(), capture_output=True, text=True,
+                       timeout=600)
+    tail = (p.stderr.strip().splitlines() or [""])[-1]
+    return p.returncode, time.perf_counter() - t0, tail
+
+
+def op_state_bytes(space: str) -> int:
+    """The supernet's op state (weights, buffers, optimizer state) under the app's settings."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.memory import TensorManager
+    from search.config import build_data, build_space, load_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        rc = load_config(compose("config", overrides=[f"space={space}"]))
+    data = build_data(rc.data)
+    graph = build_space(rc.space, data.input_shape, data.num_classes)
+    tm = TensorManager(graph, rc.seed, rc.train.optimizer)
+    return tm.footprint(slot.op_id for slot in graph.slots())
+
+
+def least_budget(space: str, world: int, stages: int | None, steps: int, tmp: Path) -> int:
+    """The least device budget the pre-check accepts for this layout (from its one-line error)."""
+    layout = [f"pipeline.stages={stages}"] if stages else []
+    p = subprocess.run([PY, "-m", "search", *base_args(space, steps), *layout, "memory.device_budget_bytes=1",
+                        f"hydra.run.dir={tmp / 'precheck'}"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env(), "RANK": "0", "WORLD_SIZE": str(world)}, timeout=300)
+    found = re.search(r"at least (\d+)", p.stderr)
+    if found is None:
+        raise RuntimeError(f"{space} {world}: no least budget in the pre-check's error: {p.stderr[-500:]}")
+    return int(found.group(1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--spaces", nargs="+", default=["conv", "transformer", "resmlp"])
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="pipenas-composition-"))
+    ref: dict[tuple, str | None] = {}
+    whole = {sp: op_state_bytes(sp) for sp in args.spaces}
+    counts = {"runs": 0, "equal": 0, "failed": 0}
+    combos = list(itertools.product(LAYOUTS, (1, 4), MODES, (False, True)))
+    for i, (layout, window, mode, budgeted) in enumerate(combos):
+        space = args.spaces[(i + list(LAYOUTS).index(layout)) % len(args.spaces)]
+        world, stages = LAYOUTS[layout]
+        settings = [f"pipeline.window={window}", f"pipeline.shared_ops={mode}"]
+        key = (space, window, mode)
+        if key not in ref:
+            code, secs, tail = run([PY, "-m", "search", *base_args(space, args.steps), *settings],
+                                   tmp / f"one-{space}-{window}-{mode}")
+            ref[key] = digest_of(tmp / f"one-{space}-{window}-{mode}") if code == 0 else None
+            print(json.dumps({"kind": "one_process", "space": space, "window": window, "shared_ops": mode,
+                              "digest": ref[key], "seconds": round(secs, 1), **({"error": tail} if code else {})}),
+                  flush=True)
+        extra = [f"pipeline.stages={stages}"] if stages else []
+        row = {"kind": "run", "layout": layout, "space": space, "window": window, "shared_ops": mode}
+        if budgeted:
+            least = least_budget(space, world, stages, args.steps, tmp)
+            budget = max(least, int(0.45 * whole[space]))
+            extra.append(f"memory.device_budget_bytes={budget}")
+            row.update(budget=budget, half_op_state=whole[space] // 2, below_half=budget < whole[space] / 2)
+        name = f"{layout}-{space}-{window}-{mode}-{int(budgeted)}".replace("(", "").replace(")", "").replace(",", "x")
+        code, secs, tail = run([PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "search",
+                                *base_args(space, args.steps), *settings, *extra], tmp / name)
+        got = digest_of(tmp / name) if code == 0 else None
+        row.update(digest=got, one_process=ref[key], equal=got is not None and got == ref[key],
+                   seconds=round(secs, 1), **({"error": tail} if code else {}))
+        counts["runs"] += 1
+        counts["equal"] += row["equal"]
+        counts["failed"] += code != 0
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"kind": "table", **counts, "steps": args.steps}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Issue 25: does training hold at the default settings, in every shared-op mode?
+
+For each space and each number of steps, three one-process runs of the app (``python -m search``,
+``sampler=fair search=none``, each space's preset: its own training settings where it carries
+them, ``train/default.yaml`` otherwise):
+
+* ``exact``: shared ops read exactly (sequential training);
+* ``delayed1``: ``pipeline.shared_ops=delayed pipeline.shared_delay=1 pipeline.window=4``;
+* ``delayed4``: the same with ``pipeline.shared_delay=4``.
+
+The late loss is the mean training loss of the last 20 steps (``metrics.jsonl``); a 600-step run
+also reports ``late_at_200``, the mean of its steps 180-199 (the cosine schedule still high there,
+unlike a 200-step run's). A run that stops on a non-finite loss (exit status 1, ``train.nonfinite=stop``)
+has ``late_loss`` null and its error line in ``stopped``. ``ratio`` is a delayed run's late loss over
+exact's at the same space and steps.
+
+Spaces and sizes: ``conv``, ``cell`` and ``resmlp`` at their defaults, ``transformer`` at width 256
+and 8 layers (the size the issue measured). Runs go one at a time with one thread each.
+
+    python bench/late_loss.py [--spaces conv cell transformer resmlp] [--steps 200 600]
+                              [--modes exact delayed1 delayed4] [--tag before] [-- extra overrides]
+
+Prints one JSON line per run as it finishes, and writes them all to
+``bench/out/late_loss[-<tag>].jsonl`` at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._spawn import OUT  # noqa: E402
+
+LAST = 20  # steps the late loss averages
+SPACES = {
+    "conv": ["space=conv"],
+    "cell": ["space=cell"],
+    "transformer": ["space=transformer", "space.width=256", "space.layers=8"],
+    "resmlp": ["space=resmlp"],
+}
+MODES = {
+    "exact": ["pipeline.shared_ops=exact"],
+    "delayed1": ["pipeline.shared_ops=delayed", "pipeline.shared_delay=1", "pipeline.window=4"],
+    "delayed4": ["pipeline.shared_ops=delayed", "pipeline.shared_delay=4", "pipeline.window=4"],
+}
+# what every run shares: train only, FairNAS sampling, nothing recorded beyond the step metrics
+COMMON = ["sampler=fair", "search=none", "train.monitor_every=0", "train.tensorboard=false"]
+
+
+def mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def one_run(space: str, mode: str, steps: int, extra: list[str]) -> dict:
+    """One ``python -m search`` run in a fresh directory; its figures as a JSON-able dict."""
+    d = Path(tempfile.mkdtemp(prefix=f"pipenas-late-{space}-{mode}-"))
+    overrides = [*SPACES[space], *MODES[mode], *COMMON, f"train.steps={steps}", *extra]
+    cmd = [sys.executable, "-m", "search", *overrides, f"output_dir={d}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    wall = time.perf_counter() - t0
+    path = d / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    losses = {r["step"]: r["loss"] for r in recs if "loss" in r and r.get("nonfinite") is None}
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    row = {
+        "space": space, "mode": mode, "steps": steps, "rc": proc.returncode,
+        "late_loss": mean([losses[s] for s in range(steps - LAST, steps) if s in losses])
+        if proc.returncode == 0 else None,
+        "late_at_200": mean([losses[s] for s in range(200 - LAST, 200) if s in losses])
+        if steps > 200 and proc.returncode == 0 else None,
+        "steps_run": len(recs),
+        "stopped": (errors[-1][:300] if errors else proc.stderr.strip().splitlines()[-1:] or None)
+        if proc.returncode else None,
+        "wall_s": round(wall, 1),
+        "overrides": " ".join(overrides),
+    }
+    shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES))
+    ap.add_argument("--steps", nargs="+", type=int, default=[200, 600])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--tag", default="", help="suffix of the output file (bench/out/late_loss-<tag>.jsonl)")
+    ap.add_argument("extra", nargs="*", help="more overrides for every run (after --)")
+    args = ap.parse_args()
+
+    rows: list[dict] = []
+    for space in args.spaces:
+        for steps in args.steps:
+            exact = None
+            for mode in args.modes:
+                row = one_run(space, mode, steps, args.extra)
+                if mode == "exact":
+                    exact = row["late_loss"]
+                row["ratio"] = (row["late_loss"] / exact if mode != "exact" and exact and row["late_loss"] is not None
+                                else None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = f"late_loss{'-' + args.tag if args.tag else ''}.jsonl"
+    (OUT / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    main()

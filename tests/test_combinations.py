@@ -1,0 +1,41 @@
+"""The one table of what does not combine (pipeline/combinations.py): each row raises one line
+naming its fields, nothing else is refused, and the README shows the table as it is."""
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline import PipelineSettings
+from pipeline.combinations import LIMITS, CombinationError, check, limits_table
+from pipeline.memory import MemorySettings
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_every_window_mode_budget_combination_passes_without_clipping() -> None:
+    for window, shared, budget in itertools.product((1, 4), ("exact", "delayed", "frozen"), (None, 10**6)):
+        check(PipelineSettings(window=window, shared_ops=shared), MemorySettings(device_budget_bytes=budget))
+
+
+@pytest.mark.parametrize("window,shared", [(4, "exact"), (1, "delayed"), (1, "frozen")])
+def test_clipping_in_a_cross_subnet_schedule_is_one_line(window: int, shared: str) -> None:
+    with pytest.raises(CombinationError) as e:
+        check(PipelineSettings(window=window, shared_ops=shared), None, clip_grad_norm=1.0)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith("train.clip_grad_norm / pipeline.window, pipeline.shared_ops: found")
+    check(PipelineSettings(), None, clip_grad_norm=1.0)  # flushed steps clip
+
+
+def test_a_pipeline_budget_beside_the_managers_is_one_line() -> None:
+    with pytest.raises(CombinationError, match=r"^pipeline.memory_budget_bytes / memory.device_budget_bytes: found"):
+        check(PipelineSettings(memory_budget_bytes=1e6), MemorySettings(device_budget_bytes=10**6))
+
+
+def test_the_readme_shows_the_table() -> None:
+    text = README.read_text()
+    block = re.search(r"<!-- combinations:[^\n]*-->\n(.*?)\n<!-- end combinations -->", text, re.S)
+    assert block is not None and block.group(1) == limits_table(), "regenerate the README's table"
+    assert len(LIMITS) == limits_table().count("\n") - 1
