@@ -134,8 +134,10 @@ class StageExecutor:
         origin = dict(sch.origin or ())  # the stage each op with state starts the segment on
 
         def emit(a: Action | None, out: Sequence[torch.Tensor | None] | None, losses: torch.Tensor | None,
-                 kinds: tuple[str, ...] = ("activation", "gradient", "losses", "state")) -> None:
-            """Send what the rule says ``a`` sends (only the messages of ``kinds``)."""
+                 kinds: tuple[str, ...] = ("activation", "gradient", "losses", "state"), after: int = -1) -> None:
+            """Send what the rule says ``a`` sends (only the messages of ``kinds``); on NCCL the
+            receive that row action ``after`` needs first goes in the same batch."""
+            payload = []
             for dst, w in rule.sends(a, me):
                 if w.message not in kinds:
                     continue
@@ -144,7 +146,8 @@ class StageExecutor:
                     stats.moved_bytes[for_subnet[(a, w.op)]] += n
                     self.shared.drop(w.op)
                 else:
-                    inbox.send([losses] if w.message == "losses" else out, dst)
+                    payload.append(([losses] if w.message == "losses" else out, dst))
+            inbox.send(payload, row[after] if 0 <= after < len(row) else None)
 
         # the tensor manager: this stage's subnets in the order they begin here, each one's ops
         order = [a.subnet for a in row if a.kind == "F" and a.microbatch == 0]
@@ -163,7 +166,7 @@ class StageExecutor:
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
         with self.failures.failing(seg.steps[0], "recv"):
             inbox.start()  # payload only: each channel's first receive is posted before any action
-        for a in row:
+        for i, a in enumerate(row):
             t, m = a.subnet, a.microbatch
             step, plan = seg.steps[t], seg.plans[t]
             shown = Action(a.stage, a.kind, a.microbatch)  # the step names the subnet
@@ -199,14 +202,14 @@ class StageExecutor:
                     else:
                         out = outs
                     stats.busy_s += time.perf_counter() - a0
-                    emit(a, out, None)
+                    emit(a, out, None, after=i + 1)
                 elif a.kind == "B":
                     run = runs.pop((t, m))
                     grads = run.backward_loss(head.pop((t, m))) if me == last else run.backward(inputs)
                     stats.busy_s += time.perf_counter() - a0
-                    emit(a, grads if me > 0 else None, None)
+                    emit(a, grads if me > 0 else None, None, after=i + 1)
                 else:
-                    emit(a, None, losses[t], kinds=("losses",))  # (last stage) every update needs them
+                    emit(a, None, losses[t], kinds=("losses",), after=i + 1)  # (last stage) every update needs them
                     # every replica's losses (with replicas), in micro-batch order
                     values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, plan, seg.lrs[t],
                                              losses[t])
@@ -263,6 +266,7 @@ class _Inbox:
         self.got: dict[Wait, object] = {}
         self.posted: dict[int, PostedRecv] = {}  # per channel: its next message's receive, posted
         self.losses = (TensorSpec((sch.num_microbatches,), torch.float64),)
+        self.rule = sch.rule
 
     def _specs(self, w: Wait) -> tuple:
         if w.message == "losses":
@@ -279,11 +283,29 @@ class _Inbox:
             for src in self.queues:
                 self._post(src)
 
-    def send(self, tensors: Sequence[torch.Tensor | None], dst: int) -> None:
-        if self.wired:
-            self.tr.send_payload(tensors, dst)
-        else:
-            self.tr.send(tensors, dst)
+    def send(self, sends: list[tuple[Sequence[torch.Tensor | None], int]], nxt: Action | None) -> None:
+        """Post ``sends`` ((tensors, destination stage)). On NCCL, whose pair streams run in
+        order, the first message action ``nxt`` receives, when it is its channel's next and not
+        yet posted, is posted in the same batch: it arrives while this stage computes, and no
+        receive is queued in front of a send its answer needs."""
+        if not self.wired:
+            for tensors, dst in sends:
+                self.tr.send(tensors, dst)
+            return
+        recv = self._next_recv(nxt) if self.tr.batched and nxt is not None else None
+        if sends or recv is not None:
+            handle = self.tr.exchange(sends, (recv, self._specs(self.queues[recv][0])) if recv is not None else None)
+            if recv is not None:
+                self.posted[recv] = handle
+
+    def _next_recv(self, a: Action) -> int | None:
+        """The channel whose next message ``a`` waits for first, if not posted yet."""
+        for w in self.rule.waits(a):
+            if w.message in ("activation", "gradient", "losses") and w.action.stage != self.me:
+                src = w.action.stage
+                q = self.queues[src]
+                return src if q and q[0] == w and src not in self.posted else None
+        return None
 
     def take(self, w: Wait, src: int, step: int, subnet: int) -> object:
         """The value of ``w`` from ``src`` for local subnet ``subnet`` (state: adopted),

@@ -98,6 +98,10 @@ def run_scenario(sc: Scenario, env=None) -> dict:
 
     graph = build_graph(sc.space)
     engine = make_engine(sc, graph, env)
+    if os.environ.get("PIPENAS_TEST_BATCHED") and hasattr(engine, "executor"):
+        # NCCL's way on gloo (batch_isend_irecv runs on both): receives posted at need or in one
+        # batch with the sends before them, the CPU stand-in for the CUDA path
+        engine.executor.transport.batched = True
     archs = arch_stream(graph, sc.seed, sc.steps + sc.eval_archs, sc.sampler, sc.order)
     if env is not None and env.rank == sc.diverge_rank:  # a misconfigured rank (agreement tests)
         archs[sc.diverge_at:] = arch_stream(graph, sc.seed + 1, len(archs) - sc.diverge_at)

@@ -116,3 +116,16 @@ def test_a_mid_graph_shared_op_changes_stage() -> None:
         owners.update(where)
         prior = arch
     assert stages == {0, 1}, f"transition sat on stages {sorted(stages)} only"
+
+
+def test_the_nccl_message_path_on_gloo() -> None:
+    """The executor's NCCL path (pair streams in order: a receive posted at need, or in one batch
+    with the sends before it) run over gloo, payload-only flushed steps and a cross-subnet
+    window alike: the one-process bits."""
+    scs = [Scenario("transformer", "1f1b", steps=4, extra=MIGRATING, eval_archs=1),
+           Scenario("conv", "gpipe", steps=4, segment=4, extra=MIGRATING),
+           Scenario("transformer", "1f1b", steps=6, segment=6, sampler="fair",
+                    extra={**MIGRATING, "window": 4, "shared_ops": "delayed"})]
+    results, _, _ = spawn(2, scs, timeout_s=300, env_extra={"PIPENAS_TEST_BATCHED": "1"})
+    for sc, got in zip(scs, results):
+        assert_same_as_reference(got, one_process(sc), f"{sc.space}/{sc.schedule} window={sc.extra.get('window', 1)}")
