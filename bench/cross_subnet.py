@@ -80,6 +80,7 @@ from supernet.spaces import transformer  # noqa: E402
 SETTING = dict(SOURCES["analytic"], layers=48)  # bench/naspipe_planner.py's analytic source, NASPipe's depth
 TARGETS = {(4, 1): 0.90, (8, 1): 0.85}  # (P, M) -> utilisation target; 0.95 with M = 4
 NASPIPE_WINDOW = 30
+UPDATE_TRAFFIC = {"sgd": 5, "adamw": 7}  # bytes of state read and written per parameter byte, per update
 
 
 def target(P: int, M: int) -> float:
@@ -93,13 +94,16 @@ class Space:
     """NASPipe's space with its cost table, the ops with state, and their update and move seconds."""
 
     def __init__(self, graph: SupernetGraph, table: CostTable, link: Mapping[str, float], bytes_per_s: float,
-                 overhead_s: float) -> None:
+                 overhead_s: float, optimizer: str = "sgd") -> None:
         self.graph, self.table, self.link = graph, table, dict(link)
+        self.optimizer = optimizer
         self.stateful = stateful_ops(graph)
         self.shared = frozenset(s.op_id for s in graph.slots() if not graph.is_choice(s.node))
         ops = table.ops
-        # SGD with momentum: weights, grads, momentum read; weights, momentum written (one call per stage)
-        self.update = {op: 5 * c.param_bytes / bytes_per_s for op, c in ops.items()}
+        # SGD with momentum: weights, grads, momentum read; weights, momentum written (one call per
+        # stage); AdamW: weights, grads and both moments read, weights and moments written
+        traffic = UPDATE_TRAFFIC[optimizer]
+        self.update = {op: traffic * c.param_bytes / bytes_per_s for op, c in ops.items()}
         self.update_overhead = overhead_s
         self.move = {op: link["latency_s"] + (c.param_bytes + c.optim_bytes) / link["bandwidth"]
                      for op, c in ops.items()}
@@ -107,10 +111,11 @@ class Space:
 
 def build_space(layers: int = SETTING["layers"], width: int = SETTING["width"],
                 microbatch: int = SETTING["microbatch"], sample_shape: tuple[int, ...] = SETTING["sample_shape"],
-                rates: Mapping[str, float] = SETTING["rates"], link: Mapping[str, float] = SETTING["link"]) -> Space:
+                rates: Mapping[str, float] = SETTING["rates"], link: Mapping[str, float] = SETTING["link"],
+                optimizer: str = "sgd") -> Space:
     graph = transformer.build(input_shape=sample_shape, num_classes=10, preset="naspipe", layers=layers, width=width)
-    table = analytic_costs(graph, sample_shape, microbatch, "sgd", **rates)
-    return Space(graph, table, link, rates["bytes_per_s"], rates["overhead_s"])
+    table = analytic_costs(graph, sample_shape, microbatch, optimizer, **rates)
+    return Space(graph, table, link, rates["bytes_per_s"], rates["overhead_s"], optimizer)
 
 
 # ------------------------------------------------------------------------- the subnets' work
@@ -139,11 +144,12 @@ def _block_problem(space: Space, actives: Sequence, cut_bytes: Sequence[int], P:
 
 
 def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05,
-                block: int | None = None) -> tuple[list[SubnetWork], dict[str, int], dict[str, float]]:
+                block: int | None = None, bounds_out: list | None = None
+                ) -> tuple[list[SubnetWork], dict[str, int], dict[str, float]]:
     """Each subnet's work under the dynamic planner's partitions, chained through the op owners
     as the runtime does; with ``block``: one partition per ``block`` consecutive subnets (the
     planner on the block's mean costs). Also each op's stage before the first subnet, and each
-    op's move seconds."""
+    op's move seconds; ``bounds_out`` (a list) receives each subnet's partition bounds."""
     graph, link = space.graph, space.link
     planner = DynamicPlanner(eps, objective="step")
     owners = initial_owners(graph.slots(), P)
@@ -161,6 +167,8 @@ def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05
         for mv in moves(active, bounds, owners):
             owners[mv.op_id] = mv.dst
         work.append(subnet_work(space, active, bounds, problem))
+        if bounds_out is not None:
+            bounds_out.append(tuple(bounds))
         before = frozenset(op.op_id for op in active)
     return work, origin, {op: space.move[op] for op in origin}
 

@@ -97,6 +97,7 @@ class SimResult:
     copies: tuple[CopySpan, ...] | None = None   # with ``copies``: each copy's place, in input order
     stall: tuple[float, ...] | None = None       # per stage: seconds its actions waited for copies
     free_at: dict[str, tuple[float, ...]] | None = None  # per channel and stage: when it is next free
+    waited: dict[Action, float] | None = None    # with ``copies``: each action that waited for copies, seconds
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def simulate(
                              else (getattr(links, f"{ch}_free_at") or (-math.inf,) * P)[s] for s in range(P))
                    for ch in CHANNELS}
         extra = dict(copies=tuple(CopySpan(c, clock.start[n + k], clock.end[n + k]) for k, c in enumerate(copies)),
-                     stall=tuple(clock.stall), free_at=free_at)
+                     stall=tuple(clock.stall), free_at=free_at, waited=_waited(clock, schedule, rows))
     timeline = tuple(tuple(Span(a, clock.start[i], clock.end[i]) for a, i in zip(actions, ids))
                      for actions, ids in zip(schedule.actions, rows))
     step_time = max((sp.end for row in timeline for sp in row), default=0.0)
@@ -279,6 +280,21 @@ def simulate(
         peaks = (0,) * P  # nothing is kept for a backward
     memory = tuple(static[s] + peaks[s] * act[s] for s in range(P)) if with_memory else None
     return SimResult(step_time, busy, timeline, bubble, peaks, memory, **extra)
+
+
+def _waited(clock: Clock, schedule: Schedule, rows: list[list[int]]) -> dict[Action, float]:
+    """Per action that waited for host copies, the seconds it waited (each stage's ``stall`` split
+    by action): its start less when its stage and its messages would have let it start."""
+    out: dict[Action, float] = {}
+    for actions, ids in zip(schedule.actions, rows):
+        free = 0.0
+        for a, i in zip(actions, ids):
+            if clock.cdeps[i]:
+                could = max([free, *(clock.arrive[k] for k in clock.deps[i])])
+                if clock.start[i] > could:
+                    out[a] = clock.start[i] - could
+            free = clock.end[i]
+    return out
 
 
 def makespan(schedule: Schedule, fwd_time: Sequence[float] | None = None, bwd_time: Sequence[float] | None = None,
