@@ -115,13 +115,14 @@ class StageExecutor:
             m = self._stateless[op] = build_op(self._specs[op], op, self.seed).to(self.device)
         return m
 
-    def run(self, seg: Segment) -> tuple[list[tuple[float, ...]], SegmentRun]:
+    def run(self, seg: Segment, between: Callable[[], None] | None = None) -> tuple[list[tuple[float, ...]], SegmentRun]:
         """Run this rank's actions of ``seg``; returns every subnet's micro-batch losses (on
-        every rank) and this stage's figures."""
+        every rank) and this stage's figures. ``between``: called after each action (the
+        engine posts the next segment's agreement check there once it is prepared)."""
         with self.reducer.recorded() if self.reducer is not None else nullcontext():
-            return self._run(seg)
+            return self._run(seg, between)
 
-    def _run(self, seg: Segment) -> tuple[list[tuple[float, ...]], SegmentRun]:
+    def _run(self, seg: Segment, between: Callable[[], None] | None) -> tuple[list[tuple[float, ...]], SegmentRun]:
         sch, me = seg.schedule, self.rank
         rule, P, M = sch.rule, sch.num_stages, sch.num_microbatches
         last = P - 1
@@ -219,6 +220,8 @@ class StageExecutor:
                     pending.remove(t)
                     stats.update_s += time.perf_counter() - a0
                     emit(a, None, None, kinds=("state",))  # then the ops the next user needs elsewhere leave
+            if between is not None:
+                between()
         with self.failures.failing(seg.steps[-1], "flush"):
             tr.flush()
             st.flush()

@@ -206,6 +206,7 @@ class PipelineEngine:
         self._segment_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-segment")
         self._ahead: Future | None = None  # the next segment's plans and schedule, being made
         self._hint: list[Arch] = []  # plan_ahead: the subnets after the next train_step's
+        self._schedules: dict[tuple, tuple[Schedule, int]] = {}  # _prepared's memo (insertion order: oldest first)
 
     def _memory_model(self) -> MemoryModel:
         """The planner's view of the memory settings: every stage's arena capacity (gathered:
@@ -282,11 +283,21 @@ class PipelineEngine:
         return self._prepared(key, plans, owners)
 
     def _prepared(self, key: tuple, plans: Sequence[Plan], owners: dict[str, int]) -> _Prepared:
-        schedule = self._schedule_of(plans, key[1])
-        h = hashlib.sha256(format_grid(schedule).encode())
-        for p in plans:
-            h.update(p.digest.to_bytes(8, "little"))
-        return _Prepared(key, tuple(plans), schedule, owners, int.from_bytes(h.digest()[:7], "little"))
+        """The segment's schedule and digest, memoised by its plans and where their ops with
+        state start (a subnet trained again from the same placement, as in a step-by-step loop,
+        costs no rebuild: the planning thread stays off the GIL while the step computes)."""
+        used = sorted(set().union(*(u for p in plans for u in p.work.uses)))
+        memo_key = (tuple(p.digest for p in plans), tuple(key[1][op] for op in used))
+        hit = self._schedules.get(memo_key)
+        if hit is None:
+            schedule = self._schedule_of(plans, key[1])
+            h = hashlib.sha256(format_grid(schedule).encode())
+            for p in plans:
+                h.update(p.digest.to_bytes(8, "little"))
+            hit = self._schedules[memo_key] = (schedule, int.from_bytes(h.digest()[:7], "little"))
+            if len(self._schedules) > 64:
+                self._schedules.pop(next(iter(self._schedules)))
+        return _Prepared(key, tuple(plans), hit[0], owners, hit[1])
 
     def _take(self, archs: Sequence[Arch]) -> _Prepared:
         """The segment of ``archs`` from here: the one prepared ahead (or its first subnets,
@@ -383,11 +394,24 @@ class PipelineEngine:
         after = tuple(p.work.uses[me] for p in self._ready_plans(upcoming))
         seg = Segment(steps, tuple(plans), schedule, tuple(mbs for mbs, _ in shares),
                       tuple(batch for _, batch in shares), tuple(self.lr(s) for s in steps), after)
-        values, run = self.executor.run(seg)
+        posted = False
+
+        def post_next() -> None:
+            """The next segment's agreement check, posted once it is prepared: during this
+            segment (the all-reduce then runs while it computes), at its end at the latest.
+            Every rank posts once per segment, in the same order, whenever its own is ready."""
+            nonlocal posted
+            ahead = self._ahead
+            if not posted and (ahead is None or (ahead.done() and ahead.exception() is None)):
+                posted = True
+                self._post_next()
+
+        values, run = self.executor.run(seg, between=post_next)
         self.owners.update(prep.owners)  # where each op with state is now (every rank alike)
         self._last_arch = archs[-1]
-        with self.failures.failing(steps[-1], "plan"):
-            self._post_next()
+        if not posted:
+            with self.failures.failing(steps[-1], "plan"):  # (a preparation that failed raises here)
+                self._post_next()
         wall = time.perf_counter() - t0
         moves, ahead = [0] * len(steps), 0
         for mv in schedule.rule.moves():
@@ -414,8 +438,8 @@ class PipelineEngine:
         return ahead.result().plans
 
     def _post_next(self) -> None:
-        """Start the agreement check of the segment prepared for next (every rank alike: each
-        waits for its own preparation, then posts), read when that segment starts."""
+        """Start the agreement check of the segment prepared for next (waiting for it), read
+        when that segment starts; nothing when none is being prepared."""
         if self._ahead is not None:
             self.agreement.post(self._ahead.result().digest, "the next segment's subnets, partitions or schedule")
 

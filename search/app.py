@@ -2,7 +2,8 @@
 
 :func:`run` takes the composed config and returns the summary. It is one code path for one
 process and for many: every rank calls every engine method with the same arguments in the
-same order (training, gathering op states, evaluating candidates), and only the main rank
+same order (training, gathering op states, evaluating candidates; or, under torchrun, each rank
+scoring its share of every batch of candidates: :mod:`search.parallel`), and only the main rank
 writes. Everything that can be wrong with the input is checked by :func:`prepare` before
 anything is written (the CLI calls it before Hydra creates the run directory).
 
@@ -26,7 +27,8 @@ accuracy so far and archs/s at most every :data:`PROGRESS_EVERY_S` seconds, and 
 
 With ``interrupts`` (:class:`search.interrupt.Interrupts`), a SIGINT/SIGTERM stops training after
 the step (all ranks after the same one), writes a checkpoint and raises
-:class:`search.interrupt.Interrupted`; during the search it stops after the arch being scored.
+:class:`search.interrupt.Interrupted`; during the search it stops after the arch being scored
+(scored on every process: after the batch being scored).
 """
 from __future__ import annotations
 
@@ -204,7 +206,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             t0 = time.perf_counter()
             result, evals = search_supernet(rc, engine, space, data, cost, p.seed_archs,
                                     Stop(interrupts, vote, faults, engine.rank), ckpt_path, trained=trained,
-                                    rlog=rlog)
+                                    rlog=rlog, graph=graph, states=states)
             search_s = time.perf_counter() - t0
             if engine.is_main and rc.search.algorithm != "none":
                 write_search_log(out / f"search-{rc.search.algorithm}.jsonl", rc, evals, cost)

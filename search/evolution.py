@@ -7,6 +7,12 @@ constraint are never scored, and the evaluation budget counts distinct scored ar
 two searches compare at equal cost. Ties are broken by the arch's JSON, so a search is the
 same on every process.
 
+A search proposes a whole batch before scoring any of it (random search: every arch;
+evolution: a generation, bred from the parents ranked before it), so the random stream never
+depends on how a batch is scored. A :class:`BatchScorer` gets each batch at once (the app
+scores a batch's archs in parallel on every process); a plain scorer is called once per arch,
+in proposal order.
+
 Evolution (as in single-path one-shot NAS): generation 0 is the seed archs plus random ones,
 ``population`` in all; every later generation breeds ``population`` new archs from the best
 ``parents`` seen so far, by crossover (with probability ``crossover_prob``) or mutation.
@@ -31,13 +37,21 @@ from supernet.supernet import forward_ops
 
 __all__ = [
     "Candidate", "SearchResult", "SearchError", "evolution_search", "random_search",
-    "SubnetCost", "Constraints",
+    "SubnetCost", "Constraints", "BatchScorer",
 ]
 
 log = logging.getLogger(__name__)
 
 Scorer = Callable[[Arch], float]
 Constraint = Callable[[Arch], bool]
+
+
+@dataclass(frozen=True)
+class BatchScorer:
+    """A scorer that takes a batch of distinct archs at once and returns their scores in the
+    same order (``fn``); a search hands it each batch it proposes."""
+
+    fn: Callable[[Sequence[Arch]], Sequence[float]]
 
 
 class SearchError(ValueError):
@@ -67,7 +81,7 @@ class SearchResult:
 class _Memo:
     """Memoised scoring with a budget and a deterministic ranking."""
 
-    def __init__(self, scorer: Scorer, constraint: Constraint | None) -> None:
+    def __init__(self, scorer: Scorer | BatchScorer, constraint: Constraint | None) -> None:
         self.scorer = scorer
         self.constraint = constraint
         self.scores: dict[Arch, float] = {}
@@ -80,13 +94,23 @@ class _Memo:
             self._allowed[arch] = bool(self.constraint(arch))
         return self._allowed[arch]
 
-    def score(self, arch: Arch) -> float:
-        if arch not in self.scores:
-            s = float(self.scorer(arch))
+    def score_all(self, archs: Sequence[Arch]) -> None:
+        """Score the archs of a batch not scored yet, in order (a batch scorer: all at once)."""
+        fresh = [a for a in dict.fromkeys(archs) if a not in self.scores]
+        if not fresh:
+            return
+        if isinstance(self.scorer, BatchScorer):
+            values = list(self.scorer.fn(fresh))
+            if len(values) != len(fresh):
+                raise SearchError(f"search: the batch scorer returned {len(values)} scores for {len(fresh)} archs")
+            pairs = zip(fresh, values)
+        else:
+            pairs = ((a, self.scorer(a)) for a in fresh)  # lazily: each recorded before the next is scored
+        for arch, value in pairs:
+            s = float(value)
             if math.isnan(s):
                 s = -math.inf  # a NaN would make the ranking order-dependent
             self.scores[arch] = s
-        return self.scores[arch]
 
     def ranked(self) -> list[Candidate]:
         return [Candidate(a, s) for a, s in sorted(self.scores.items(), key=lambda e: (-e[1], e[0].to_json()))]
@@ -97,11 +121,12 @@ def _check(name: str, value: int, minimum: int) -> None:
         raise SearchError(f"search.{name}: expected an integer >= {minimum}, found {value!r}")
 
 
-def _fresh(memo: _Memo, propose: Callable[[], Arch], tries: int) -> Arch | None:
-    """A proposed arch that is neither scored yet nor outside the constraint, or ``None``."""
+def _fresh(memo: _Memo, propose: Callable[[], Arch], tries: int, batch: Sequence[Arch]) -> Arch | None:
+    """A proposed arch that is neither scored yet, nor in the ``batch`` being proposed, nor
+    outside the constraint, or ``None``."""
     for _ in range(tries):
         arch = propose()
-        if arch not in memo.scores and memo.allowed(arch):
+        if arch not in memo.scores and arch not in batch and memo.allowed(arch):
             return arch
     return None
 
@@ -118,18 +143,18 @@ def _seeded(space: SearchSpace, seed_archs: Iterable[Arch], memo: _Memo) -> list
 def _fill(memo: _Memo, space: SearchSpace, rng: random.Random, seed_archs: Sequence[Arch], count: int,
           max_tries: int) -> None:
     """Score archs until ``count`` are scored: the seed archs first, then fresh random ones
-    (stops early when no fresh arch satisfying the constraint turns up)."""
-    for arch in _seeded(space, seed_archs, memo)[:count]:
-        memo.score(arch)
-    while len(memo.scores) < count:
-        arch = _fresh(memo, lambda: space.random(rng), max_tries)
+    (stops early when no fresh arch satisfying the constraint turns up), as one batch."""
+    batch = _seeded(space, seed_archs, memo)[:count]
+    while len(memo.scores) + len(batch) < count:
+        arch = _fresh(memo, lambda: space.random(rng), max_tries, batch)
         if arch is None:
             break
-        memo.score(arch)
+        batch.append(arch)
+    memo.score_all(batch)
 
 
 def random_search(
-    space: SearchSpace, scorer: Scorer, rng: random.Random, *, budget: int, top_k: int = 5,
+    space: SearchSpace, scorer: Scorer | BatchScorer, rng: random.Random, *, budget: int, top_k: int = 5,
     constraint: Constraint | None = None, seed_archs: Sequence[Arch] = (), max_tries: int = 100,
 ) -> SearchResult:
     """Score ``budget`` distinct random archs (seed archs first) that satisfy ``constraint``."""
@@ -141,7 +166,7 @@ def random_search(
 
 
 def evolution_search(
-    space: SearchSpace, scorer: Scorer, rng: random.Random, *, population: int, generations: int,
+    space: SearchSpace, scorer: Scorer | BatchScorer, rng: random.Random, *, population: int, generations: int,
     mutate_prob: float = 0.1, crossover_prob: float = 0.5, parents: int | None = None, top_k: int = 5,
     constraint: Constraint | None = None, seed_archs: Sequence[Arch] = (), max_tries: int = 100,
 ) -> SearchResult:
@@ -172,15 +197,15 @@ def evolution_search(
                 return space.crossover(a, b, rng)
             return space.mutate(pool[rng.randrange(len(pool))], rng, mutate_prob)
 
-        born = 0
-        while born < population:
-            arch = _fresh(memo, child, max_tries)
+        born: list[Arch] = []  # this generation, proposed in full before any of it is scored
+        while len(born) < population:
+            arch = _fresh(memo, child, max_tries, born)
             if arch is None:
                 break
-            memo.score(arch)
-            born += 1
+            born.append(arch)
+        memo.score_all(born)
         history.append(memo.ranked()[0].score)
-        if born < population:
+        if len(born) < population:
             log.info("evolution: the neighbourhood of the parents is exhausted; stopping early")
             break
     return _result(memo, top_k, constraint, history)

@@ -1,7 +1,8 @@
 """The search phase of a run (:func:`search_supernet`): score archs with inherited weights by
 evolution or at random (or the fixed arch once with ``search=none``), progress off a terminal
 (:class:`Progress`), the per-algorithm sections of ``summary.json`` (:func:`merge_searches`) and
-``search-<algorithm>.jsonl``."""
+``search-<algorithm>.jsonl``. How each batch of archs is scored (through the engine, or on every
+process at once) is :mod:`search.parallel`'s."""
 from __future__ import annotations
 
 import json
@@ -10,19 +11,21 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from pipeline import Engine, EvalResult
-from supernet import Arch, SearchSpace, derive_seed
+from supernet import Arch, SearchSpace, SupernetGraph, derive_seed
 
 from .checkpoint import atomic_write_text
 from .config import RunConfig
-from .evolution import Candidate, SearchResult, SubnetCost, evolution_search, random_search
+from .evolution import BatchScorer, Candidate, SearchResult, SubnetCost, evolution_search, random_search
 from .interrupt import Interrupted
+from .parallel import EngineScoring, Scoring, open_scoring
 from .training import RankLog, Stop, finite, show_bars
 
 log = logging.getLogger("search.app")
@@ -30,41 +33,58 @@ log = logging.getLogger("search.app")
 
 def search_supernet(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any, cost: SubnetCost,
             seed_archs: list[Arch], stop: Stop | None = None, checkpoint: Path | None = None, *,
-            trained: Arch | None = None,
-            rlog: logging.LoggerAdapter | None = None) -> tuple[SearchResult, dict[Arch, EvalResult]]:
+            trained: Arch | None = None, rlog: logging.LoggerAdapter | None = None,
+            graph: SupernetGraph | None = None,
+            states: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+            ) -> tuple[SearchResult, dict[Arch, EvalResult]]:
     """Score subnets with inherited weights (BN recalibrated per subnet) by evolution or at
-    random. Every rank runs this identically: the engine returns the same scores everywhere.
-    ``stop``: a signal ends the search after the arch being scored, with :class:`Interrupted`
-    (training is complete: ``checkpoint`` holds it). ``search=none`` scores only ``trained`` (the
-    fixed sampler's arch), or nothing. Progress: a bar on the main rank's terminal, else log lines
-    there (:class:`Progress`)."""
+    random. Every rank runs this identically and gets the same scores. ``stop``: a signal ends
+    the search after the arch being scored (with parallel scoring, after the batch), with
+    :class:`Interrupted` (training is complete: ``checkpoint`` holds it). ``search=none`` scores
+    only ``trained`` (the fixed sampler's arch), or nothing. ``graph`` and ``states`` (the trained
+    op states, on the main rank): what parallel scoring (:mod:`search.parallel`) builds each
+    rank's engine from; without ``graph`` the engine scores. Progress: a bar on the main rank's
+    terminal, else log lines there (:class:`Progress`)."""
     s = rc.search
     total = s.budget if s.algorithm != "none" else int(trained is not None)
     evals: dict[Arch, EvalResult] = {}
     if total == 0:  # search=none and no fixed arch: nothing to score
         return SearchResult((), 0), evals
+    rlog = rlog or RankLog(log, {"rank": engine.rank})
     val = data.val_batches(s.val_batch_size)
     calib = data.calib_batches(s.bn_calib_batches, s.calib_batch_size)
+
+    def note(line: str) -> None:
+        if engine.is_main:
+            rlog.info("%s", line)
+
+    scoring: Scoring = (open_scoring(rc, engine, graph, states, total, note) if graph is not None
+                        else EngineScoring(engine))
     what = f"search ({s.algorithm})" if s.algorithm != "none" else "scoring the trained arch"
     bar = tqdm(total=total, desc=what, unit="arch", file=sys.stderr,
                disable=not show_bars(engine), dynamic_ncols=True, leave=False)
-    progress = (Progress(what, total, rlog or RankLog(log, {"rank": engine.rank}))
+    progress = (Progress(what, total, rlog)
                 if engine.is_main and bar.disable and s.algorithm != "none" else None)  # one arch: run() logs it
 
-    def scorer(arch: Arch) -> float:
-        if stop is not None:
-            stop.before(len(evals), "evaluate")
-        evals[arch] = ev = engine.evaluate(arch, val, calib)
-        # not finite (NaN logits still have an argmax): ranked last, never the best
-        score = ev.accuracy if math.isfinite(ev.loss) else -math.inf
-        bar.update(1)
-        if progress is not None:
-            progress.update(score)
-        if stop is not None and stop.after(len(evals) - 1, "evaluate"):
-            raise Interrupted(f"{stop.interrupts.name}: stopped the search after {len(evals)} of {total} archs; "
-                              f"training is complete: checkpoint {checkpoint} (step {rc.train.steps})",
-                              stop.interrupts.signum or 0, checkpoint, rc.train.steps)
-        return score
+    def score(archs: Sequence[Arch]) -> list[float]:
+        """A batch's scores, ``scoring.chunk`` archs at a time (a stop vote around each chunk)."""
+        out = []
+        for at in range(0, len(archs), scoring.chunk):
+            chunk = archs[at:at + scoring.chunk]
+            first = len(evals)
+            before = (lambda: stop.before(first, "evaluate", len(chunk))) if stop is not None else None
+            for arch, ev in zip(chunk, scoring(chunk, val, calib, before)):
+                evals[arch] = ev
+                # not finite (NaN logits still have an argmax): ranked last, never the best
+                out.append(ev.accuracy if math.isfinite(ev.loss) else -math.inf)
+                bar.update(1)
+                if progress is not None:
+                    progress.update(out[-1])
+            if stop is not None and stop.after(len(evals) - 1, "evaluate"):
+                raise Interrupted(f"{stop.interrupts.name}: stopped the search after {len(evals)} of {total} archs; "
+                                  f"training is complete: checkpoint {checkpoint} (step {rc.train.steps})",
+                                  stop.interrupts.signum or 0, checkpoint, rc.train.steps)
+        return out
 
     # search.seed varies the search alone: the trained supernet (checkpoint) stays the same
     rng = random.Random(derive_seed(rc.seed if s.seed is None else s.seed, "search"))
@@ -72,15 +92,16 @@ def search_supernet(rc: RunConfig, engine: Engine, space: SearchSpace, data: Any
     common: dict[str, Callable | Any] = {"top_k": s.top_k, "constraint": constraint, "seed_archs": seed_archs}
     try:
         if s.algorithm == "evolution":
-            result = evolution_search(space, scorer, rng, population=s.population, generations=s.generations,
-                                      mutate_prob=s.mutate_prob, crossover_prob=s.crossover_prob,
-                                      parents=s.parents, **common)
+            result = evolution_search(space, BatchScorer(score), rng, population=s.population,
+                                      generations=s.generations, mutate_prob=s.mutate_prob,
+                                      crossover_prob=s.crossover_prob, parents=s.parents, **common)
         elif s.algorithm == "random":
-            result = random_search(space, scorer, rng, budget=s.budget, **common)
+            result = random_search(space, BatchScorer(score), rng, budget=s.budget, **common)
         else:  # none, with the fixed sampler's arch: scored exactly as a search scores a candidate
-            result = SearchResult((Candidate(trained, scorer(trained)),), 1)
+            result = SearchResult((Candidate(trained, score([trained])[0]),), 1)
     finally:
         bar.close()
+        scoring.close()
     if progress is not None:
         progress.finish()
     return result, evals

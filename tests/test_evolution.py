@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from search.evolution import Constraints, SearchError, SubnetCost, evolution_search, random_search
+from search.evolution import BatchScorer, Constraints, SearchError, SubnetCost, evolution_search, random_search
 from supernet import Arch, Choice, SearchSpace
 from supernet.spaces import conv
 
@@ -61,6 +61,30 @@ def test_evolution_beats_or_equals_random_at_the_same_budget() -> None:
         assert evo.best.score >= rnd.best.score
         wins += evo.best.score > rnd.best.score
     assert wins >= 4
+
+
+def test_a_batch_scorer_gets_whole_generations_and_changes_nothing() -> None:
+    """Each generation (random search: the whole budget) is proposed before any of it is scored,
+    so a batch scorer (the app's parallel scoring) sees it at once, and the search is the same."""
+    small = lambda a: sum(a.values()) <= 20  # noqa: E731
+    for kw in ({}, {"constraint": small}, {"seed_archs": [TARGET]}):
+        batches: list[list[Arch]] = []
+
+        def batched(archs):
+            batches.append(list(archs))
+            return [synthetic_score(a) for a in archs]
+
+        one_by_one = Counting()
+        assert evolve(5, BatchScorer(batched), **kw) == evolve(5, one_by_one, **kw)
+        assert [a for b in batches for a in b] == one_by_one.calls  # the same archs in the same order
+        assert [len(b) for b in batches] == [12] * 8
+        batches.clear()
+        one_by_one = Counting()
+        assert (random_search(SPACE, BatchScorer(batched), random.Random(5), budget=30, **kw)
+                == random_search(SPACE, one_by_one, random.Random(5), budget=30, **kw))
+        assert batches == [one_by_one.calls] and len(batches[0]) == 30
+    with pytest.raises(SearchError, match="search: the batch scorer returned 1 scores for 12 archs"):
+        evolve(0, BatchScorer(lambda archs: [0.0]))
 
 
 def test_constraint_is_respected_and_failing_archs_are_never_scored() -> None:
