@@ -112,7 +112,7 @@ def main() -> None:
             budget = max(least, int(0.45 * whole[space]))
             extra.append(f"memory.device_budget_bytes={budget}")
             row.update(budget=budget, half_op_state=whole[space] // 2, below_half=budget < whole[space] / 2)
-        name = f"{layout}-{space}-{window}-{mode}-{int(budgeted)}".replace("(", "").replace(")", "").replace(",", "x")
+        name = re.sub(r"[^A-Za-z0-9]+", "_", f"{layout}-{space}-{window}-{mode}-{int(budgeted)}")  # a Hydra-safe dir name
         code, secs, tail = run([PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "search",
                                 *base_args(space, args.steps), *settings, *extra], tmp / name)
         got = digest_of(tmp / name) if code == 0 else None

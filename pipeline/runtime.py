@@ -25,6 +25,7 @@ has a timeout: no hang.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -47,6 +48,7 @@ from .failures import FailureReporter, StageFailure, parse_fault
 from .layout import resolve_layout
 from .lookahead import LookaheadPlanner, Plan
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
+from .memory.sizing import op_footprints
 from .migration import Migrator
 from .plan.admission import ArenaBound, cross_subnet, sequential
 from .plan.costs import CostTable
@@ -207,6 +209,22 @@ class PipelineEngine:
         self._ahead: Future | None = None  # the next segment's plans and schedule, being made
         self._hint: list[Arch] = []  # plan_ahead: the subnets after the next train_step's
         self._schedules: dict[tuple, tuple[Schedule, int]] = {}  # _prepared's memo (insertion order: oldest first)
+        self._full_footprint: dict[str, int] | None = None  # per op, arena bytes with its optimizer state
+
+    def _arena_bound(self) -> ArenaBound | None:
+        """What the admission builder bounds the subnets in flight by: each stage's arena and
+        each op's bytes there; with the hybrid placement *with* its optimizer state (an op in use
+        keeps what it was fetched with, which may be its state: only ops not in use can shed
+        it), so the ops pinned together always fit. None without a budget."""
+        mm = self.planner.memory
+        if mm is None or mm.arena_bytes is None:
+            return None
+        if self.tensors.memory.optimizer != "hybrid":  # the state always or never comes along: exact
+            return ArenaBound(mm.arena_bytes, mm.footprint)
+        if self._full_footprint is None:
+            device_state = dataclasses.replace(self.tensors.memory, optimizer="device")
+            self._full_footprint = op_footprints(self.graph, self.seed, self.optim, self.device, device_state)
+        return ArenaBound(mm.arena_bytes, self._full_footprint)
 
     def _memory_model(self) -> MemoryModel:
         """The planner's view of the memory settings: every stage's arena capacity (gathered:
@@ -261,13 +279,10 @@ class PipelineEngine:
         origin = {op: origin[op] for op in used}
         if not self.settings.cross:
             return validate(sequential(self.schedule, uses, origin=origin))
-        mm = self.planner.memory
-        arena = (ArenaBound(mm.arena_bytes, mm.footprint) if mm is not None and mm.arena_bytes is not None
-                 else None)
         return validate(cross_subnet(
             [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
             delayed=self.shared.delayed & used, delay=self.settings.shared_delay, origin=origin,
-            state_time=self.planner.move_seconds(), arena=arena))
+            state_time=self.planner.move_seconds(), arena=self._arena_bound()))
 
     def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> _Prepared:
         """The plans of ``archs`` (chained through the placement each leaves, from ``owners``

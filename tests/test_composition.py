@@ -64,6 +64,9 @@ def scenarios(stages: int | None) -> list[Scenario]:
             # a shared op mid-graph: "transition" changes stage between subnets, with its versions
             sc("resmlp", 4, "delayed", budgeted("resmlp", "sgd", "fair", fraction=0.7)),
             sc("resmlp", 1, "frozen", None, eval_archs=1),
+            # the default hybrid placement: an op in use keeps the state it was fetched with, so the
+            # admission counts it (two subnets' ops with their state would not fit here)
+            sc("resmlp", 4, "frozen", budgeted("resmlp", "sgd", "fair", fraction=0.7)),
         ]
     return [  # the (2, 2) mesh: two replicas of a 2-stage pipeline
         sc("transformer", 4, "delayed", None),
