@@ -331,8 +331,10 @@ class _Inbox:
                     got[nxt] = self.tr.recv(src)[0]
                     continue
                 handle = self.posted.pop(src, None) or self.tr.post_recv(src, self._specs(nxt))
-                got[nxt] = handle.wait()
                 if self.ahead:
-                    self._post(src)  # the channel's next message arrives while this stage computes
+                    # the channel's next receive is posted before this one is waited for: it is
+                    # ready when its message comes, which may be while this stage still waits
+                    self._post(src)
+                got[nxt] = handle.wait()
         self.stats.wait_s += time.perf_counter() - w0
         return got.pop(w)
