@@ -61,7 +61,8 @@ _CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}  # an action's k
 class Segment:
     """Subnets trained back to back: their steps, plans, batches and learning rates, and the
     schedule that runs them (local subnet ``t`` is ``steps[t]``). ``after``: this stage's op
-    sets of the subnets known to follow the segment (the tensor manager fetches toward them)."""
+    sets of the subnets known to follow the segment (the tensor manager fetches toward them);
+    ``tail``: the moves of the subnet after it that can travel while it runs."""
 
     steps: tuple[int, ...]
     plans: tuple[Plan, ...]
@@ -70,6 +71,9 @@ class Segment:
     batch_sizes: tuple[int, ...]
     lrs: tuple[float, ...]
     after: tuple[frozenset[str], ...] = ()
+    # (op, from stage, to stage): ops the subnet after the segment needs elsewhere and the segment
+    # does not use; sent at its start, received (adopted) at its end, on the ops' channel
+    tail: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -134,6 +138,11 @@ class StageExecutor:
         inbox = _Inbox(self, seg, stats)
         origin = dict(sch.origin or ())  # the stage each op with state starts the segment on
 
+        def send_state(op: str, dst: int, subnet: int) -> None:
+            stats.moved_bytes[subnet] += st.send_state(op, {**self.tensors.export(op), **self.shared.export_versions(op)},
+                                                       dst)
+            self.shared.drop(op)
+
         def emit(a: Action | None, out: Sequence[torch.Tensor | None] | None, losses: torch.Tensor | None,
                  kinds: tuple[str, ...] = ("activation", "gradient", "losses", "state"), after: int = -1) -> None:
             """Send what the rule says ``a`` sends (only the messages of ``kinds``); on NCCL the
@@ -143,9 +152,7 @@ class StageExecutor:
                 if w.message not in kinds:
                     continue
                 if w.message == "state":
-                    n = st.send_state(w.op, {**self.tensors.export(w.op), **self.shared.export_versions(w.op)}, dst)
-                    stats.moved_bytes[for_subnet[(a, w.op)]] += n
-                    self.shared.drop(w.op)
+                    send_state(w.op, dst, for_subnet[(a, w.op)])
                 else:
                     payload.append(([losses] if w.message == "losses" else out, dst))
             inbox.send(payload, row[after] if 0 <= after < len(row) else None)
@@ -165,6 +172,9 @@ class StageExecutor:
         policies = [activation_policy(p.stage_activations(me)) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
+            for op, src, dst in seg.tail:  # then the next subnet's ops this segment does not use
+                if src == me:
+                    send_state(op, dst, T - 1)
         with self.failures.failing(seg.steps[0], "recv"):
             inbox.start()  # payload only: each channel's first receive is posted before any action
         for i, a in enumerate(row):
@@ -222,6 +232,10 @@ class StageExecutor:
                     emit(a, None, None, kinds=("state",))  # then the ops the next user needs elsewhere leave
             if between is not None:
                 between()
+        with self.failures.failing(seg.steps[-1], "migrate-ahead"):
+            for op, src, dst in seg.tail:  # (adopted earlier if a later state message came first)
+                if dst == me:
+                    inbox.take(Wait(None, "state", op), src, seg.steps[-1], T - 1)
         with self.failures.failing(seg.steps[-1], "flush"):
             tr.flush()
             st.flush()
@@ -265,7 +279,11 @@ class _Inbox:
             if src != me:
                 channel = sch.rule.channel(sch.actions, src, me)
                 self.queues[src] = deque(w for w in channel if w.message != "state")
-                self.state_queues[src] = deque(w for w in channel if w.message == "state")
+                # the ops' channel: the moves at the start, the tail's, then those after updates
+                tail = [Wait(None, "state", op) for op, s, d in seg.tail if (s, d) == (src, me)]
+                states = [w for w in channel if w.message == "state"]
+                first = sum(1 for w in states if w.action is None)
+                self.state_queues[src] = deque(states[:first] + tail + states[first:])
         self.got: dict[Wait, object] = {}
         self.posted: dict[int, PostedRecv] = {}  # per channel: its next message's receive, posted
         self.losses = (TensorSpec((sch.num_microbatches,), torch.float64),)

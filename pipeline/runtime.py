@@ -96,6 +96,7 @@ class _Prepared:
     schedule: Schedule
     owners: dict[str, int]
     digest: int
+    tail: tuple[tuple[str, int, int], ...] = ()  # (op, from, to): moves for the subnet after, sent at the start
 
 
 def overlapped(row: Sequence) -> int:
@@ -122,9 +123,10 @@ def share_of(x: torch.Tensor, y: torch.Tensor, batch_size: int | None, microbatc
     return split_batch(x.to(device), y.to(device), len(share)), whole
 
 
-def _segment_key(archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> tuple:
-    """What a prepared segment was made for: its subnets, the op placement before it, the subnet before."""
-    return tuple(archs), dict(owners), prior
+def _segment_key(archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None, tail: Arch | None) -> tuple:
+    """What a prepared segment was made for: its subnets, the op placement before it, the subnet
+    before, and the subnet after it (whose ops the segment does not use move during it)."""
+    return tuple(archs), dict(owners), prior, tail
 
 
 class PipelineEngine:
@@ -284,11 +286,12 @@ class PipelineEngine:
             delayed=self.shared.delayed & used, delay=self.settings.shared_delay, origin=origin,
             state_time=self.planner.move_seconds(), arena=self._arena_bound()))
 
-    def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None) -> _Prepared:
+    def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None,
+                 tail: Arch | None) -> _Prepared:
         """The plans of ``archs`` (chained through the placement each leaves, from ``owners``
         and the subnet before, ``prior``) and their schedule. Pure: every rank makes the same,
         now or in the background a segment ahead."""
-        key = _segment_key(archs, owners, prior)
+        key = _segment_key(archs, owners, prior, tail)
         plans, owners = [], dict(owners)
         for arch in archs:
             plan = self.planner.plan_with(arch, owners, prior)
@@ -296,6 +299,21 @@ class PipelineEngine:
             plans.append(plan)
             prior = arch
         return self._prepared(key, plans, owners)
+
+    def _tail_moves(self, plans: Sequence[Plan], owners: dict[str, int], tail: Arch | None) -> tuple:
+        """The moves the subnet after the segment (``tail``) needs of ops the segment does not
+        use, on any stage: their state cannot change during it, so they travel while it runs
+        (sent at its start, received at its end), off the next segment's critical path; the
+        plan of ``tail`` (from ``owners``, where the segment leaves the ops) is the one the next
+        segment will make. ``owners`` is updated with them."""
+        if tail is None or self.num_stages == 1:
+            return ()
+        used = set().union(*(u for p in plans for u in p.work.uses))
+        nxt = self.planner.plan_with(tail, owners, plans[-1].arch)
+        moves = tuple(sorted((op, owners[op], s) for op, s in self.planner.placed(nxt).items()
+                             if owners[op] != s and op not in used))
+        owners.update({op: dst for op, _, dst in moves})
+        return moves
 
     def _prepared(self, key: tuple, plans: Sequence[Plan], owners: dict[str, int]) -> _Prepared:
         """The segment's schedule and digest, memoised by its plans and where their ops with
@@ -312,32 +330,34 @@ class PipelineEngine:
             hit = self._schedules[memo_key] = (schedule, int.from_bytes(h.digest()[:7], "little"))
             if len(self._schedules) > 64:
                 self._schedules.pop(next(iter(self._schedules)))
-        return _Prepared(key, tuple(plans), hit[0], owners, hit[1])
+        tail = self._tail_moves(plans, owners, key[3])
+        digest = hit[1] ^ (int.from_bytes(hashlib.sha256(repr(tail).encode()).digest()[:7], "little") if tail else 0)
+        return _Prepared(key, tuple(plans), hit[0], owners, digest, tail)
 
-    def _take(self, archs: Sequence[Arch]) -> _Prepared:
-        """The segment of ``archs`` from here: the one prepared ahead (or its first subnets,
-        with their schedule rebuilt), else made now."""
+    def _take(self, archs: Sequence[Arch], tail: Arch | None) -> _Prepared:
+        """The segment of ``archs`` (then ``tail``) from here: the one prepared ahead (or its
+        first subnets, with their schedule rebuilt), else made now."""
         ahead, self._ahead = self._ahead, None
         ready = ahead.result() if ahead is not None else None  # re-raises its error
-        key = _segment_key(archs, self.owners, self._last_arch)
+        key = _segment_key(archs, self.owners, self._last_arch, tail)
         self.stats.planned_ahead = ready is not None
         if ready is not None and ready.key == key:
             return ready
         n = len(archs)
-        if ready is not None and ready.key[0][:n] == key[0] and ready.key[1:] == key[1:]:
+        if ready is not None and ready.key[0][:n] == key[0] and ready.key[1:3] == key[1:3]:
             owners = dict(self.owners)
             for plan in ready.plans[:n]:
                 owners.update(self.planner.placed(plan))
             return self._prepared(key, ready.plans[:n], owners)
         self.stats.planned_ahead = False
-        return self._prepare(archs, self.owners, self._last_arch)
+        return self._prepare(archs, self.owners, self._last_arch, tail)
 
     # -- training --------------------------------------------------------------------------
     def train_step(self, step: int, arch: Arch, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """One training step: a segment of one subnet (the next one ``plan_ahead`` named is
         prepared meanwhile, a segment of one too, so its agreement check is the one posted)."""
         hint, self._hint = self._hint, []
-        return self.train_steps([(step, arch, x, y)], hint[:1])[0]
+        return self._train_segment([(step, arch, x, y)], hint, 1)[0]
 
     def _clipper(self, step: int, plan: Plan):
         """``train.clip_grad_norm`` for a flushed step of ``plan``: this stage's per-op sums of
@@ -376,14 +396,17 @@ class PipelineEngine:
             runs[:1] = [runs[0][:head], runs[0][head:]]
         out = []
         for k, run in enumerate(runs):
-            after = run[-1][0] + 1  # the next segment: the next run of this call, else the lookahead up to a boundary
-            nxt = ([it[1] for it in runs[k + 1]] if k + 1 < len(runs)
-                   else list(upcoming)[:self.checkpoint_every - after % self.checkpoint_every
-                                       if self.checkpoint_every else None])
-            out += self._train_segment(run, nxt)
+            # what follows: the later runs of this call, then the lookahead; the next segment is
+            # the next run, else the lookahead up to a checkpoint boundary
+            following = [it[1] for later in runs[k + 1:] for it in later] + list(upcoming)
+            after = run[-1][0] + 1
+            n_next = (len(runs[k + 1]) if k + 1 < len(runs)
+                      else len(list(upcoming)[:self.checkpoint_every - after % self.checkpoint_every
+                                              if self.checkpoint_every else None]))
+            out += self._train_segment(run, following, n_next)
         return out
 
-    def _train_segment(self, items: Sequence[StepInput], upcoming: Sequence[Arch]) -> list[StepResult]:
+    def _train_segment(self, items: Sequence[StepInput], following: Sequence[Arch], n_next: int) -> list[StepResult]:
         """Subnets back to back: plan each (chained through the op placement each leaves), build
         the schedule every rank builds alike (both made a segment ahead, in the background),
         check that the ranks agree, run this stage's actions."""
@@ -396,10 +419,13 @@ class PipelineEngine:
             # more subnets than this one runs): a disagreement there is checked on what runs now
             checked = self.agreement.read(strict=False)
             self.planner.ensure(items[0][2], self._batch(items[0][2]) // M, training=True)
-            prep = self._take(archs)
+            following = list(following)
+            upcoming = following[:n_next]  # the next segment, prepared while this one runs
+            prep = self._take(archs, following[0] if following else None)
             self.agreement.check(prep.digest, "the segment's subnets, partitions or schedule", checked)
-            if upcoming:  # the next segment, prepared while this one runs
-                self._ahead = self._segment_pool.submit(self._prepare, list(upcoming), prep.owners, archs[-1])
+            if upcoming:
+                self._ahead = self._segment_pool.submit(self._prepare, upcoming, prep.owners, archs[-1],
+                                                        following[n_next] if len(following) > n_next else None)
         plans, schedule = prep.plans, prep.schedule
         self.stats.plan_s = time.perf_counter() - t0
         self.failures.schedule = schedule
@@ -408,7 +434,7 @@ class PipelineEngine:
         me = self.stage_index
         after = tuple(p.work.uses[me] for p in self._ready_plans(upcoming))
         seg = Segment(steps, tuple(plans), schedule, tuple(mbs for mbs, _ in shares),
-                      tuple(batch for _, batch in shares), tuple(self.lr(s) for s in steps), after)
+                      tuple(batch for _, batch in shares), tuple(self.lr(s) for s in steps), after, prep.tail)
         posted = False
 
         def post_next() -> None:
@@ -428,10 +454,11 @@ class PipelineEngine:
             with self.failures.failing(steps[-1], "plan"):  # (a preparation that failed raises here)
                 self._post_next()
         wall = time.perf_counter() - t0
-        moves, ahead = [0] * len(steps), 0
+        moves, ahead = [0] * len(steps), len(prep.tail)  # tail moves travel while the segment computes
         for mv in schedule.rule.moves():
             moves[mv.before.subnet] += 1
             ahead += mv.before.subnet > 0  # travels while the segment's earlier subnets compute
+        moves[-1] += len(prep.tail)
         st = self.stats
         st.wall_s, st.busy_s, st.wait_s, st.max_in_flight = wall, run.busy_s + run.update_s, run.wait_s, run.max_in_flight
         st.bounds = plans[-1].partition.bounds
