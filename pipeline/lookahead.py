@@ -122,13 +122,15 @@ class LookaheadPlanner:
         return make_planner(s.planner)
 
     # -- plans -----------------------------------------------------------------------------
-    def plan_with(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
-        """The plan (pure; memoised). ``before``: the subnet of the step before (its ops cannot move early)."""
+    def plan_with(self, arch: Arch, owners: Mapping[str, int], before: Arch | None, wires: bool = True) -> Plan:
+        """The plan (pure; memoised). ``before``: the subnet of the step before (its ops cannot
+        move early). ``wires`` false: without wire specs (only the placement is wanted; their dry
+        run is the costly part of a plan)."""
         key = self.key(arch, owners, before)
         hit = self._memo.get(key)
         if hit is None:
             hit = _remember(self._memo, key, self._solve(arch, owners, before))
-        return self.with_wires(hit)
+        return self.with_wires(hit) if wires else hit
 
     def problem(self, arch: Arch) -> PartitionProblem:
         """The partition problem of ``arch``'s active ops: the costs, schedule, link and memory

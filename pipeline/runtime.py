@@ -309,7 +309,7 @@ class PipelineEngine:
         if tail is None or self.num_stages == 1:
             return ()
         used = set().union(*(u for p in plans for u in p.work.uses))
-        nxt = self.planner.plan_with(tail, owners, plans[-1].arch)
+        nxt = self.planner.plan_with(tail, owners, plans[-1].arch, wires=False)
         moves = tuple(sorted((op, owners[op], s) for op, s in self.planner.placed(nxt).items()
                              if owners[op] != s and op not in used))
         owners.update({op: dst for op, _, dst in moves})
