@@ -8,10 +8,10 @@ state, one run of ``python -m search`` as a user types it (``search=none``: trai
 settings (``python -m search``, no layout, no budget: a budget changes where state lives, not
 the bits). The spaces rotate over the runs (conv, transformer, and resmlp, whose fixed
 ``transition`` op sits mid-graph and changes stage between subnets), so every layout sees every
-space. The budget of a (space, layout) is the larger of the least the memory pre-check accepts
+space; ``--every-space`` runs every combination on every space. The budget of a (space, layout) is the larger of the least the memory pre-check accepts
 (its error names it) and 45 % of the op state; a row says when the least is above half.
 
-    .venv/bin/python bench/composition_table.py [--steps 8] [--spaces conv transformer resmlp]
+    .venv/bin/python bench/composition_table.py [--steps 8] [--spaces conv transformer resmlp] [--every-space]
 
 One JSON line per run (``"kind": "run"``) and a last one with the counts (``"kind": "table"``).
 """
@@ -87,14 +87,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--spaces", nargs="+", default=["conv", "transformer", "resmlp"])
+    ap.add_argument("--every-space", action="store_true",
+                    help="run every combination on every space (3x the runs) instead of rotating the spaces")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-composition-"))
     ref: dict[tuple, str | None] = {}
     whole = {sp: op_state_bytes(sp) for sp in args.spaces}
     counts = {"runs": 0, "equal": 0, "failed": 0}
+    leasts: dict[tuple[str, str], int] = {}  # (space, layout) -> the pre-check's least budget
     combos = list(itertools.product(LAYOUTS, (1, 4), MODES, (False, True)))
-    for i, (layout, window, mode, budgeted) in enumerate(combos):
-        space = args.spaces[(i + list(LAYOUTS).index(layout)) % len(args.spaces)]
+    if args.every_space:
+        cells = [(c, sp) for c in combos for sp in args.spaces]
+    else:  # rotate: every layout still sees every space
+        cells = [(c, args.spaces[(i + list(LAYOUTS).index(c[0])) % len(args.spaces)]) for i, c in enumerate(combos)]
+    for (layout, window, mode, budgeted), space in cells:
         world, stages = LAYOUTS[layout]
         settings = [f"pipeline.window={window}", f"pipeline.shared_ops={mode}"]
         key = (space, window, mode)
@@ -108,7 +114,9 @@ def main() -> None:
         extra = [f"pipeline.stages={stages}"] if stages else []
         row = {"kind": "run", "layout": layout, "space": space, "window": window, "shared_ops": mode}
         if budgeted:
-            least = least_budget(space, world, stages, args.steps, tmp)
+            if (space, layout) not in leasts:
+                leasts[(space, layout)] = least_budget(space, world, stages, args.steps, tmp)
+            least = leasts[(space, layout)]
             budget = max(least, int(0.45 * whole[space]))
             extra.append(f"memory.device_budget_bytes={budget}")
             row.update(budget=budget, half_op_state=whole[space] // 2, below_half=budget < whole[space] / 2)
