@@ -186,7 +186,6 @@ def replay_plans(run_dir: Path, steps: Iterable[int]) -> tuple[dict[int, dict], 
             fwd, bwd, send = stage_work(planner.problem(plan.arch), plan.partition.bounds)
             out[step] = predicted_breakdown(simulate(schedule, fwd, bwd, send))
             bounds[step] = list(plan.partition.bounds)
-    planner.close(wait=True)
     return out, {"moves_match": matches, "steps_checked": len(archs), "bounds": bounds,
                  "space": rc.space.target, "stages": P, "microbatches": M}
 

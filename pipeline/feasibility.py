@@ -116,24 +116,21 @@ def _check_pipelined(graph: SupernetGraph, seed: int, costs: CostTable, optim_na
     plain = dataclasses.replace(memory, activations="keep")
     model = (MemoryModel(plain) if sizes is None else
              MemoryModel(plain, (memory.device_budget_bytes,) * stages, sizes))
-    # as PipelineEngine builds its planner: the replica's micro-batches, and moves made during the
-    # step before wherever there is a second stage to move to (its early channel)
+    # as PipelineEngine builds its planner: the replica's micro-batches, and moves made ahead
+    # wherever there is a second stage to move to
     planner = LookaheadPlanner(graph, seed, stages, microbatches // replicas, settings, costs, stages > 1,
                                optim_name, model)
-    try:
-        planner.ensure(torch.empty((batch_size, *sample_shape), device="meta"), batch_size // microbatches,
-                       training=False)
-        if sizes is not None:  # raises the planner's own error, with the least budget that fits
-            planner.plan_with(largest_subnet(graph, sizes), initial_owners(graph.slots(), stages), None)
-        if trained is None:
-            return
-        floors: dict[tuple, tuple[int, ...]] = {}
-        for _, plan in planner.chain(list(trained), initial_owners(graph.slots(), stages), None):
-            key = (plan.arch, plan.partition.bounds)
-            if key not in floors:
-                floors[key] = model.activation_floors(planner.problem(plan.arch), plan.partition.bounds)
-    finally:
-        planner.close(wait=True)
+    planner.ensure(torch.empty((batch_size, *sample_shape), device="meta"), batch_size // microbatches,
+                   training=False)
+    if sizes is not None:  # raises the planner's own error, with the least budget that fits
+        planner.plan_with(largest_subnet(graph, sizes), initial_owners(graph.slots(), stages), None)
+    if trained is None:
+        return
+    floors: dict[tuple, tuple[int, ...]] = {}
+    for _, plan in planner.chain(list(trained), initial_owners(graph.slots(), stages), None):
+        key = (plan.arch, plan.partition.bounds)
+        if key not in floors:
+            floors[key] = model.activation_floors(planner.problem(plan.arch), plan.partition.bounds)
     hints = ["a smaller train.batch_size"]
     if settings.schedule == "gpipe":
         hints.append("pipeline.schedule=1f1b (fewer micro-batches in flight)")

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -81,19 +80,14 @@ class LookaheadPlanner:
         self.planner = None
         self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
         # Wire specs come from a dry run of the stages on the meta device, ~30-70 ms of Python a
-        # subnet on this machine's CPU: more than a step of the default space. A flushed step
-        # plans two subnets ahead and hides it; a cross-subnet segment would plan tens at once,
+        # subnet on this machine's CPU: more than a step of the default space. A flushed step's
+        # segment is prepared a step ahead and hides it; a cross-subnet segment plans tens at once,
         # and its executor receives each channel in sending order anyway, so its messages
         # describe themselves (a 512-byte header each) instead
         self.wires = not settings.cross
         self.sample: tuple[tuple[int, ...], torch.dtype] | None = None  # one training micro-batch
         specs = {slot.op_id: slot.spec for slot in graph.slots()}
         self._meta = MetaModules(lambda op_id: build_op(specs[op_id], op_id, seed, seeded=False))
-        self._upcoming: list[Arch] = []
-        self._ahead: dict[tuple, Plan] = {}
-        self._job: Future | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-plan")
-        self.committed: Plan | None = None  # the next step's plan, fixed early (its moves are under way)
         # plans and wire specs are pure functions of their keys: memoised (a subnet that comes
         # back with the same placement costs neither a solve nor a dry run)
         self._memo: OrderedDict[tuple, Plan] = OrderedDict()
@@ -201,59 +195,11 @@ class LookaheadPlanner:
     def key(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple:
         return arch, before, tuple(owners[op.op_id] for op in self.graph.active_ops(arch))
 
-    def planned(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
-        """The plan made ahead for this arch, placement and step before, else a fresh one."""
-        hit = self._ahead.get(self.key(arch, owners, before))
-        return self.with_wires(hit) if hit is not None else self.plan_with(arch, owners, before)
-
-    def plan(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> Plan:
-        """The committed next plan if it is for ``arch``, else a plan made ahead, else a fresh one."""
-        self.join()
-        if self.committed is not None and self.committed.arch == arch:
-            return self.with_wires(self.committed)
-        return self.planned(arch, owners, before)
-
-    def take(self, arch: Arch, owners: Mapping[str, int], before: Arch | None) -> tuple[Plan, bool]:
-        """:meth:`plan`, then forget the plans made for this step; also whether it was made ahead."""
-        key = self.key(arch, owners, before)
-        self.join()
-        ahead = (self.committed is not None and self.committed.arch == arch) or key in self._ahead
-        plan = self.plan(arch, owners, before)
-        self.committed = None
-        self._ahead.pop(key, None)
-        return plan, ahead
-
-    # -- ahead -----------------------------------------------------------------------------
-    def set_upcoming(self, archs: Sequence[Arch]) -> None:
-        self._upcoming = list(archs)
-
-    @property
-    def upcoming(self) -> list[Arch]:
-        return self._upcoming
-
     def placed(self, plan: Plan) -> dict[str, int]:
         """Where ``plan`` leaves the ops that move: only ops with state, since an op without
         state runs wherever it is needed (a local instance) and never moves in training."""
         where = stages_of(plan.active, plan.partition.bounds)
         return {op: s for op, s in where.items() if op in self.stateful}
-
-    def start_ahead(self, owners: Mapping[str, int], before: Arch | None) -> None:
-        """Plan the upcoming subnets in the background, chained from ``owners`` (after this
-        step's migration) and the committed next plan."""
-        if not self._upcoming or self.planner is None:
-            return
-        archs, owners, self._upcoming = self._upcoming, dict(owners), []
-        self._ahead = {}
-        nxt = self.committed
-        if nxt is not None and nxt.arch == archs[0]:
-            owners.update(self.placed(nxt))
-            archs, before = archs[1:], nxt.arch
-
-        def chain() -> None:
-            for key, plan in self.chain(archs, owners, before):
-                self._ahead[key] = plan
-
-        self._job = self._pool.submit(chain)
 
     def chain(self, archs: Sequence[Arch], owners: dict[str, int], prior: Arch | None) -> Iterator[tuple[tuple, Plan]]:
         """The plans of ``archs`` in training order, with their keys: each made where the plan
@@ -265,14 +211,6 @@ class LookaheadPlanner:
             yield key, plan
             owners.update(self.placed(plan))
             prior = arch
-
-    def join(self) -> None:
-        if self._job is not None:
-            job, self._job = self._job, None
-            job.result()  # started a step ago: done by now; re-raises its error if any
-
-    def close(self, wait: bool) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 _MEMO = 256

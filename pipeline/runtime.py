@@ -266,17 +266,17 @@ class PipelineEngine:
     # -- planning --------------------------------------------------------------------------
     def plan(self, arch: Arch) -> Plan:
         """The partition of ``arch`` given where ops sit now (pure: no messages, no side effects)."""
-        return self.planner.plan(arch, self.owners, self._last_arch)
+        return self.planner.plan_with(arch, self.owners, self._last_arch)
 
     def plan_ahead(self, archs: Sequence[Arch]) -> None:
         """The subnets that follow the next ``train_step``'s (the sampler's lookahead): prepared
         in the background while that step computes. A hint only: the result is the same either way."""
         self._hint = list(archs)
 
-    def _schedule_of(self, plans: Sequence[Plan], origin: Mapping[str, int]) -> Schedule:
+    def _schedule_of(self, plans: Sequence[Plan], origin: Mapping[str, int], used: frozenset[str]) -> Schedule:
         """The schedule of ``plans`` back to back (pure): flushed steps of the configured
-        schedule, or a cross-subnet schedule bounded by the tensor manager's arena."""
-        used = set().union(*(u for p in plans for u in p.work.uses))
+        schedule, or a cross-subnet schedule bounded by the tensor manager's arena. ``used``:
+        the ops with state the plans run."""
         uses = [p.work.uses for p in plans]
         origin = {op: origin[op] for op in used}
         if not self.settings.cross:
@@ -292,15 +292,12 @@ class PipelineEngine:
         and the subnet before, ``prior``) and their schedule. Pure: every rank makes the same,
         now or in the background a segment ahead."""
         key = _segment_key(archs, owners, prior, tail)
-        plans, owners = [], dict(owners)
-        for arch in archs:
-            plan = self.planner.plan_with(arch, owners, prior)
-            owners.update(self.planner.placed(plan))
-            plans.append(plan)
-            prior = arch
+        owners = dict(owners)  # (chain moves it on, subnet by subnet)
+        plans = [plan for _, plan in self.planner.chain(archs, owners, prior)]
         return self._prepared(key, plans, owners)
 
-    def _tail_moves(self, plans: Sequence[Plan], owners: dict[str, int], tail: Arch | None) -> tuple:
+    def _tail_moves(self, plans: Sequence[Plan], owners: dict[str, int], tail: Arch | None,
+                    used: frozenset[str]) -> tuple:
         """The moves the subnet after the segment (``tail``) needs of ops the segment does not
         use, on any stage: their state cannot change during it, so they travel while it runs
         (sent at its start, received at its end), off the next segment's critical path; the
@@ -308,7 +305,6 @@ class PipelineEngine:
         segment will make. ``owners`` is updated with them."""
         if tail is None or self.num_stages == 1:
             return ()
-        used = set().union(*(u for p in plans for u in p.work.uses))
         nxt = self.planner.plan_with(tail, owners, plans[-1].arch, wires=False)
         moves = tuple(sorted((op, owners[op], s) for op, s in self.planner.placed(nxt).items()
                              if owners[op] != s and op not in used))
@@ -319,18 +315,18 @@ class PipelineEngine:
         """The segment's schedule and digest, memoised by its plans and where their ops with
         state start (a subnet trained again from the same placement, as in a step-by-step loop,
         costs no rebuild: the planning thread stays off the GIL while the step computes)."""
-        used = sorted(set().union(*(u for p in plans for u in p.work.uses)))
-        memo_key = (tuple(p.digest for p in plans), tuple(key[1][op] for op in used))
+        used = frozenset().union(*(u for p in plans for u in p.work.uses))
+        memo_key = (tuple(p.digest for p in plans), tuple(key[1][op] for op in sorted(used)))
         hit = self._schedules.get(memo_key)
         if hit is None:
-            schedule = self._schedule_of(plans, key[1])
+            schedule = self._schedule_of(plans, key[1], used)
             h = hashlib.sha256(format_grid(schedule).encode())
             for p in plans:
                 h.update(p.digest.to_bytes(8, "little"))
             hit = self._schedules[memo_key] = (schedule, int.from_bytes(h.digest()[:7], "little"))
             if len(self._schedules) > 64:
                 self._schedules.pop(next(iter(self._schedules)))
-        tail = self._tail_moves(plans, owners, key[3])
+        tail = self._tail_moves(plans, owners, key[3], used)
         digest = hit[1] ^ (int.from_bytes(hashlib.sha256(repr(tail).encode()).digest()[:7], "little") if tail else 0)
         return _Prepared(key, tuple(plans), hit[0], owners, digest, tail)
 
@@ -505,7 +501,7 @@ class PipelineEngine:
             self.planner.ensure(batches[0][0], batches[0][0].shape[0], training=False)
             t0 = time.perf_counter()
             with self.tracer.span(-1, "plan", "plan"):
-                plan, _ = self.planner.take(arch, self.owners, self._last_arch)
+                plan = self.planner.plan_with(arch, self.owners, self._last_arch)
                 self.agreement.check(plan.digest, plan_what(plan))
             self.stats.plan_s, self.stats.bounds = time.perf_counter() - t0, plan.partition.bounds
         with self.failures.failing(-1, "migrate"), self.tracer.span(-1, "migrate", "migrate"):
@@ -547,7 +543,6 @@ class PipelineEngine:
         group goes (no rank tears down links a peer still uses); after a failure, no waiting."""
         ok = not self.failures.failed
         self._segment_pool.shutdown(wait=ok, cancel_futures=True)
-        self.planner.close(wait=ok)
         if ok:
             self.agreement.read(strict=False)  # a check posted for a segment that never ran
         self.tensors.close()

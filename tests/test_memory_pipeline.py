@@ -89,7 +89,7 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
     from pipeline import MemorySettings, PipelineSettings
     from pipeline.lookahead import LookaheadPlanner
     from pipeline.memory import MemoryModel
-    from pipeline.plan.placement import initial_owners, stages_of
+    from pipeline.plan.placement import initial_owners
     from test_memory import optim_of
 
     graph = build_graph(sc.space)
@@ -105,16 +105,11 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
                                True, sc.optimizer, model)
     x, _ = step_data(sc.seed, 0, sc.batch)
     planner.ensure(x, sc.batch // sc.microbatches, True)
-    owners, before, plans = initial_owners(graph.slots(), stages), None, []
-    try:
-        for arch in arch_stream(graph, sc.seed, sc.steps):
-            plans.append(planner.plan_with(arch, owners, before))
-            for s in range(stages):  # what training asks of the plan (raises where no activation plan fits)
-                plans[-1].stage_activations(s)
-            owners.update(stages_of(plans[-1].active, plans[-1].partition.bounds))
-            before = arch
-    finally:
-        planner.close(True)
+    plans = []
+    for _, plan in planner.chain(arch_stream(graph, sc.seed, sc.steps), initial_owners(graph.slots(), stages), None):
+        for s in range(stages):  # what training asks of the plan (raises where no activation plan fits)
+            plan.stage_activations(s)
+        plans.append(plan)
     return plans
 
 
