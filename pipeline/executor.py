@@ -226,7 +226,8 @@ class StageExecutor:
                                              losses[t])
                     ops = pinned.pop(t, frozenset())
                     still = frozenset().union(*pinned.values())  # ops another subnet in flight here runs
-                    stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t))
+                    stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t),
+                                                                in_flight=len(pinned))
                     pending.remove(t)
                     stats.update_s += time.perf_counter() - a0
                     emit(a, None, None, kinds=("state",))  # then the ops the next user needs elsewhere leave

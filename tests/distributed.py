@@ -109,7 +109,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         engine.load_op_states(torch.load(sc.load, weights_only=True))
     losses, mb_losses, migrated, peaks, ahead, early, bounds = [], [], 0, 0, 0, 0, []
     resident_peak, evictions, swapped, recomputed, overlapped = 0, 0, 0, 0, 0
-    hits, host_updates = 0, 0
+    hits, host_updates, arrived = 0, 0, 0
     end = sc.steps if sc.stop is None else sc.stop
 
     def results():
@@ -138,6 +138,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         if r.memory is not None:
             resident_peak, evictions = max(resident_peak, r.memory.resident_bytes_peak), evictions + r.memory.evictions
             hits, host_updates = hits + r.memory.hits, host_updates + r.memory.host_updates
+            arrived += r.memory.arrived
     evals = []
     for i in range(sc.eval_archs):
         xv, yv = step_data(sc.seed + 7, i, sc.batch)
@@ -152,7 +153,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
-        "swapped": swapped, "recomputed": recomputed, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "swapped": swapped, "recomputed": recomputed, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "arrived": arrived, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
@@ -203,7 +204,7 @@ def _worker() -> None:
         dist.all_gather_object(peaks, engine.stats.max_in_flight)
         res["peak_in_flight"] = peaks
         mem: list = [None] * world
-        gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates")
+        gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates", "arrived")
         dist.all_gather_object(mem, tuple(res[key] for key in gathered))
         for k, key in enumerate(gathered):
             res[key] = [m[k] for m in mem]

@@ -88,7 +88,7 @@ def reference(sc: Scenario) -> dict:
 def test_every_combination_computes_the_one_process_bits(world: int, stages: int | None) -> None:
     scs = scenarios(stages)
     results, _, _ = spawn(world, scs, timeout_s=400)
-    evicted = 0
+    evicted = arrived = 0
     for sc, got in zip(scs, results):
         label = (f"{sc.space} window={sc.extra['window']} {sc.extra['shared_ops']} memory={sc.memory} "
                  f"world={world} stages={stages or world}")
@@ -97,7 +97,9 @@ def test_every_combination_computes_the_one_process_bits(world: int, stages: int
         if budget:
             assert all(0 < p <= budget for p in got["resident_peak"]), f"{label}: {got['resident_peak']} vs {budget}"
             evicted += sum(got["evictions"])
+            arrived += sum(got["arrived"])
     assert evicted > 0, "the budgets should force evictions"
+    assert arrived > 0, "ops that move under a budget should land in the receiver's arena"
 
 
 def test_a_mid_graph_shared_op_changes_stage() -> None:

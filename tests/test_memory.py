@@ -579,3 +579,96 @@ def test_the_runtime_store_and_the_offline_plan_fetch_alike(policy: str) -> None
         plan = plan_residency(trace, {o: 1 for o in ids}, cache, policy, prefetch_depth=0)
         assert tm.stats().fetches == plan.fetches, (seed, trace)
         tm.close()
+
+
+# -- two copy streams, arrivals into the arena, the horizon past the subnets in flight ---------
+
+def test_a_copy_waits_for_the_other_streams_copies_that_touch_its_bytes() -> None:
+    from pipeline.memory.copies import conflicts
+
+    region, home, other_home = ("cuda:0", 0, 100), ("host", 1000, 1100), ("host", 2000, 2100)
+    earlier = [("d2h", home, region),  # a write-back of the region into its home
+               ("d2h", other_home, ("cuda:0", 200, 300)),  # another op's write-back
+               ("h2d", ("cuda:0", 0, 100), other_home)]  # on the same stream as the copy below
+    # a fetch into the region being written back waits for that write-back, not for the other one
+    assert conflicts(("cuda:0", 50, 150), ("host", 5000, 5100), "h2d", earlier) == [0]
+    # reading a home while it is being written waits too; on the same stream nothing is needed
+    assert conflicts(("cuda:0", 400, 500), home, "h2d", earlier) == [0]
+    assert conflicts(("cuda:0", 0, 100), other_home, "h2d", earlier[2:]) == []
+    # a write-back waits for a fetch still filling the region it reads, or reading the home it writes
+    assert conflicts(("host", 9000, 9100), ("cuda:0", 0, 10), "d2h", earlier) == [2]
+    assert conflicts(other_home, ("cuda:0", 900, 950), "d2h", earlier) == [2]
+    # touching ends do not overlap; different memories never do
+    assert conflicts(("cuda:0", 100, 200), ("host", 0, 10), "h2d", earlier) == []
+    assert conflicts(("cuda:1", 0, 100), ("host", 0, 10), "h2d", earlier) == []
+
+
+def test_the_cuda_copier_runs_fetches_beside_write_backs(fake_cuda: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fetches and write-backs go on streams of their own; a fetch into a region whose write-back
+    is still in flight waits for its event, one into other bytes does not."""
+    import itertools
+
+    from pipeline.memory import copies
+
+    names = itertools.count()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(f"side{next(names)}", fake_cuda))
+    pending = _FakeEvent(fake_cuda)
+    pending.query = lambda: False  # the write-back below is still in flight
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: pending)
+    arena, home_a, home_b = torch.zeros(16), torch.arange(8.0), torch.arange(8.0) + 10
+    ways = {id(home_a): "d2h"}
+    monkeypatch.setattr(copies, "_direction", lambda dst, src: ways.get(id(dst), "h2d"))
+    copier = copies.CudaCopier(torch.device("cuda"))
+    h2d, d2h = copier.streams["h2d"].name, copier.streams["d2h"].name
+    assert h2d != d2h
+    copier.copy(home_a, arena[:8])  # write-back of a's region
+    fake_cuda.clear()
+    copier.copy(arena[8:], home_b)  # a fetch into other bytes: no wait on the write-back
+    assert ("wait_event", h2d) not in fake_cuda and ("enter", h2d) in fake_cuda
+    fake_cuda.clear()
+    copier.copy(arena[:8], home_b)  # a fetch into a's region: waits for its write-back first
+    assert fake_cuda.index(("wait_event", h2d)) < fake_cuda.index(("enter", h2d))
+
+
+def test_an_arriving_op_lands_in_the_arena_and_leaves_from_it() -> None:
+    """An op adopted while a coming step uses it goes straight into the arena (no fetch at its
+    use, no write-back when it leaves again) and trains to the same bits as one that never moved."""
+    g, cfg = small_graph(), optim_of("adamw")
+    for optimizer in ("device", "hybrid"):
+        mem = MemorySettings(device_budget_bytes=2 * TensorManager(g, 0, cfg, memory=MemorySettings(
+            optimizer="device")).footprint(["l0/b"]), optimizer=optimizer)
+        stay = TensorManager(g, 0, cfg, own=["l0/a"])
+        src = TensorManager(g, 0, cfg, own=["l0/a"], memory=mem)
+        for tm in (stay, src):
+            train(tm, "l0/a", 2, seed=1)
+        dst = TensorManager(g, 0, cfg, own=[], memory=mem)
+        dst.prefetch([["l0/a"]])
+        before = src.stats().written_back_bytes
+        dst.adopt("l0/a", src.export("l0/a"))  # resident at src: leaves from the arena
+        assert src.stats().written_back_bytes == before
+        dst.ensure(["l0/a"])  # its first use here: resident already
+        st = dst.stats()
+        assert st.arrived == 1 and st.fetches == 0 and st.misses == 0 and st.hits == 1, optimizer
+        dst.release_step(advance=False)
+        train(stay, "l0/a", 2, seed=2)
+        train(dst, "l0/a", 2, seed=2)
+        assert params_digest({"x": stay.export("l0/a", release=False)}) == \
+            params_digest({"x": dst.export("l0/a", release=False)}), optimizer
+        state = dst.export("l0/a")
+        dst.prefetch([])
+        dst.adopt("l0/a", state)  # not in the future: into its host home
+        assert dst.stats().arrived == 1 and dst._store.ops["l0/a"].state == "host"
+        for tm in (src, dst):
+            tm.close()
+
+
+def test_fetches_ahead_look_past_the_subnets_in_flight() -> None:
+    """With prefetch_depth 0 and one subnet still in flight, the end of another fetches the
+    next subnet after the one in flight (the horizon does not count those running)."""
+    tm = manager("belady", 4, prefetch_depth=0)
+    tm.prefetch([["l0/a"], ["l0/b"], ["l0/c"], ["l0/d"]])
+    tm.ensure(["l0/a"])
+    tm.ensure(["l0/b"])  # both in flight
+    tm.release_step(ops=["l0/a"], done=0, in_flight=1)
+    assert "l0/c" in resident(tm)
+    tm.close()

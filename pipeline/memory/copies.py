@@ -1,11 +1,13 @@
 """The copy engines that move an op's bytes between its host home and its arena region.
 
 Copies run off the critical path on a :class:`ThreadCopier` (CPU: one worker thread, so copies
-run in submission order like a stream) or a :class:`CudaCopier` (a side stream that first
-waits for the compute stream's queued work; an event recorded after each copy is what the
-compute stream waits on before using the op). A write-back and the fetch that reuses its region
-are issued on the same stream, after the compute that last read it, so stream order protects
-the arena's bytes. On a CPU the default is the :class:`InlineCopier` (``memory.cpu_copies``).
+run in submission order like a stream) or a :class:`CudaCopier` (a side stream per direction,
+host-to-device fetches beside device-to-host write-backs, as a full-duplex link carries them;
+each first waits for the compute stream's queued work, so a region is overwritten only after the
+kernels that read it ran; an event recorded after each copy is what the compute stream waits on
+before using the op). A copy on one stream that touches bytes an earlier copy on the other stream
+reads or writes (a fetch into the region a write-back is still reading) waits for that copy's
+event (:func:`conflicts`). On a CPU the default is the :class:`InlineCopier` (``memory.cpu_copies``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Handle", "Copier", "ThreadCopier", "InlineCopier", "CudaCopier", "make_copier", "COPY_TIMEOUT_S"]
+__all__ = ["Handle", "Copier", "ThreadCopier", "InlineCopier", "CudaCopier", "make_copier", "COPY_TIMEOUT_S",
+           "Span", "conflicts"]
 
 COPY_TIMEOUT_S = 300.0  # a copy that takes longer than this is a hang, not a slow link
 
@@ -110,32 +113,67 @@ class _EventHandle:
         self._event.synchronize()
 
 
+Span = tuple[str, int, int]  # (memory: a device's name, or "host"), first byte, one past the last
+
+
+def span_of(t: torch.Tensor) -> Span:
+    """Where a tensor's bytes lie (pinned host memory and each device are separate spaces)."""
+    start = t.data_ptr()
+    return ("host" if t.device.type == "cpu" else str(t.device), start, start + t.numel() * t.element_size())
+
+
+def _overlap(a: Span, b: Span) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _direction(dst: torch.Tensor, src: torch.Tensor) -> str:
+    return "d2h" if dst.device.type == "cpu" else "h2d"
+
+
+def conflicts(dst: Span, src: Span, stream: str, earlier: list[tuple[str, Span, Span]]) -> list[int]:
+    """The earlier copies, ``(stream, dst, src)`` each, that a copy from ``src`` into ``dst`` on
+    ``stream`` must wait for: those on another stream that write what it reads or writes, or read
+    what it writes (copies on one stream run in order)."""
+    return [i for i, (st, d, s) in enumerate(earlier)
+            if st != stream and (_overlap(dst, d) or _overlap(dst, s) or _overlap(src, d))]
+
+
 class CudaCopier:
-    """Copies on a side stream that first waits for everything queued on the compute stream
-    (so a region is overwritten only after the kernels that read it ran); each copy records
-    an event that the compute stream waits on before the op is used."""
+    """Copies on two side streams, fetches (host to device) beside write-backs (device to host).
+    Each copy first waits for everything queued on the compute stream (so a region is overwritten
+    only after the kernels that read it ran) and for the copies in flight on the other stream
+    whose bytes it touches (:func:`conflicts`); each records an event that the compute stream
+    waits on before the op is used."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.streams = {"h2d": torch.cuda.Stream(device=device), "d2h": torch.cuda.Stream(device=device)}
+        self._recent: list[tuple[str, Span, Span, torch.cuda.Event]] = []  # copies maybe still in flight
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Handle:
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
+        name = _direction(dst, src)
+        stream = self.streams[name]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        spans = (span_of(dst), span_of(src))
+        self._recent = [r for r in self._recent if not r[3].query()]
+        for i in conflicts(*spans, name, [(n, d, s) for n, d, s, _ in self._recent]):
+            stream.wait_event(self._recent[i][3])
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
+        self._recent.append((name, *spans, event))
         # dst or src may be a host tensor whose memory the caller keeps (an op's host home,
         # freed only after synchronize()); device-side both are views of the arena, which is
         # never freed, so no record_stream is needed for the caching allocator.
         return _EventHandle(event, self.device)
 
     def flush(self) -> None:
-        """Nothing to do: each copy is queued on the side stream when issued."""
+        """Nothing to do: each copy is queued on its side stream when issued."""
 
     def close(self) -> None:
-        self.stream.synchronize()
+        for stream in self.streams.values():
+            stream.synchronize()
 
 
 class _Done:

@@ -132,12 +132,15 @@ class TensorManager:
         not fetched ahead)."""
         self._store.ensure(op_ids)
 
-    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0) -> MemoryStats:
+    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0,
+                     in_flight: int = 0) -> MemoryStats:
         """End of a step: unpin its ops, move the announced future on (``advance``), keep
         prefetching. Returns the step's counters (all-resident: its uses as hits). With several
         subnets in flight, one subnet's end: unpin ``ops`` alone (those no other subnet in flight
-        uses) and drop the future's entry ``done`` (the subnet's place in the announced order)."""
-        return self._store.release_step(advance, ops, done)
+        uses) and drop the future's entry ``done`` (the subnet's place in the announced order);
+        ``in_flight``: the subnets still in flight here, the future's first entries (the fetches
+        ahead look ``prefetch_depth + 1`` entries past them)."""
+        return self._store.release_step(advance, ops, done, in_flight)
 
     def stats(self) -> MemoryStats:
         """Totals so far (all-resident: the bytes of every owned op)."""

@@ -112,37 +112,63 @@ class OpPlacement:
     def fill_home(self, state: Mapping[str, torch.Tensor] | None, state_keys: Sequence[str]) -> None:
         """Write the op's tensors into its host home and point the module there: from the module
         and optimizer as built, or from a flat ``state`` (as exported), which overrides them."""
-        host, params = self.host, self.params
-        if self.layout.nbytes:
-            host.zero_()
+        self.fill(state, state_keys, self.host, 0)
+
+    def fill(self, state: Mapping[str, torch.Tensor] | None, state_keys: Sequence[str], buf: torch.Tensor,
+             base: int) -> None:
+        """Write the op's tensors into ``buf`` from byte ``base`` (its host home, or its arena
+        region: an op that arrives from another stage straight into the arena, where the
+        optimizer state of an op updated on the host still goes to its home) and point the module
+        there: from the module and optimizer as built, or from a flat ``state`` (as exported),
+        which overrides them."""
+        params = self.params
+        at_home = buf is self.host
+        homes = self.host_views()
+
+        def target(i: int, slot) -> torch.Tensor:
+            return homes[i] if at_home or (slot.kind == "optim" and self.optim_on_host) else slot.view(buf, base)
+
+        if self.layout.nbytes and at_home:
+            self.host.zero_()  # (an arena region's padding is never read)
         with torch.no_grad():
-            for slot in self.layout.slots:
+            for i, slot in enumerate(self.layout.slots):
                 if slot.kind == "param":
-                    slot.view(host).copy_(state[slot.key] if state is not None else params[slot.index])
+                    target(i, slot).copy_(state[slot.key] if state is not None else params[slot.index])
                 elif slot.kind == "buffer":
-                    slot.view(host).copy_(state[slot.key] if state is not None else self.module.get_buffer(slot.name))
+                    target(i, slot).copy_(state[slot.key] if state is not None else self.module.get_buffer(slot.name))
         if state is not None:
             for i, entry in split_optim(state).items():
                 # slotted state is copied into its slot below; scalars (AdamW's step) stay on the host
                 self.opt.state[params[i]] = {k: t if k in state_keys else t.detach().clone().cpu()
                                              for k, t in entry.items()}
-            for slot in self.layout.slots:
+            for i, slot in enumerate(self.layout.slots):
                 if slot.kind == "optim":
                     t = self.opt.state.get(params[slot.index], {}).get(slot.name)
                     if t is not None:
-                        slot.view(host).copy_(t)
+                        target(i, slot).copy_(t)
         self._optim_home = False  # new state objects: point them all
-        self.point(host, 0)
+        self.point(buf, base)
 
     def home_state(self, copy: bool) -> OpState:
         """The op's flat state read from its host home (the caller brought it up to date):
         copies (a snapshot) or views of the home."""
+        return self.state_in(self.host, 0, copy)
+
+    def state_in(self, buf: torch.Tensor, base: int, copy: bool) -> OpState:
+        """The op's flat state read from where it lives in ``buf`` from byte ``base`` (its host
+        home, or its arena region while resident: the optimizer state of an op updated on the
+        host is read from its home): copies or views."""
+        at_home = buf is self.host
         state: OpState = {}
-        by_key = {slot.key: slot for slot in self.layout.slots}
+        by_key = {slot.key: (i, slot) for i, slot in enumerate(self.layout.slots)}
         for slot in self.layout.slots:
             if slot.kind != "optim":
-                state[slot.key] = slot.view(self.host)
+                state[slot.key] = slot.view(self.host) if at_home else slot.view(buf, base)
         for key, t in optim_tensors(self.params, self.opt):
-            slot = by_key.get(key)  # slotted state lives in the home; scalars where torch keeps them
-            state[key] = (slot.view(self.host) if slot is not None else t).detach()
+            found = by_key.get(key)  # slotted state lives in its slot; scalars where torch keeps them
+            if found is None:
+                state[key] = t.detach()
+            else:
+                i, slot = found
+                state[key] = self.host_views()[i] if at_home or self.optim_on_host else slot.view(buf, base)
         return {k: t.clone() for k, t in state.items()} if copy else state

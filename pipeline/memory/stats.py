@@ -38,6 +38,7 @@ class MemoryStats:
     late: int = 0
     misses: int = 0
     host_updates: int = 0
+    arrived: int = 0  # ops that came from another stage straight into the arena
     stall_s: float = 0.0
     busy_s: float = 0.0
 

@@ -53,9 +53,11 @@ class Store(Protocol):
     def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = ()) -> None:
         """After it: ``stepped`` took a step, ``fresh`` got its first optimizer state."""
 
-    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0) -> MemoryStats:
+    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0,
+                     in_flight: int = 0) -> MemoryStats:
         """End of a step (or of one subnet's use among several in flight): unpin (``ops``; None:
-        every op), move the future on (drop its entry ``done``), return the counters since the last release."""
+        every op), move the future on (drop its entry ``done``; the first ``in_flight`` entries are
+        subnets still in flight), return the counters since the last release."""
 
     def stats(self) -> MemoryStats: ...
 
@@ -108,7 +110,8 @@ class ResidentStore:
         for op_id in fresh:
             self._bytes.pop(op_id, None)  # state created now: the op takes more bytes
 
-    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0) -> MemoryStats:
+    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0,
+                     in_flight: int = 0) -> MemoryStats:
         hits, self._hits = self._hits, 0
         nbytes = self.resident_bytes()
         return MemoryStats(None, nbytes, nbytes, hits=hits)

@@ -13,6 +13,7 @@ next call that takes the lock).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -77,10 +78,34 @@ class VirtualStore(WorkingSet):
                           self.settings.state_can_stay_home)
         if rec.nbytes > self.arena.capacity:
             raise budget_error(f"op {op_id!r} alone", rec.nbytes, self.arena.capacity)
-        rec.fill_home(state, self.state_keys)
+        self.ops[op_id] = rec
+        try:
+            if state is None or not rec.nbytes or not self._arrive(rec, state):
+                rec.fill_home(state, self.state_keys)
+        except BaseException:
+            self.remove(op_id)
+            raise
         if not rec.nbytes:  # nothing to place (an identity op): always resident
             rec.state = RESIDENT
-        self.ops[op_id] = rec
+
+    def _arrive(self, rec: OpPlacement, state: Mapping[str, torch.Tensor]) -> bool:
+        """An op that arrives from another stage (``state``: on the device under NCCL) lands in
+        the arena when a coming step uses it and room can be made without evicting an op needed
+        sooner (as a fetch ahead for that step would); its host home is then stale (``dirty``:
+        written back if it is ever evicted). Whether it landed there."""
+        idx = self._next_use(rec.op_id)
+        if idx == math.inf:
+            return False
+        off = self._place(rec, int(idx), limit=idx, step_ops=self.future[int(idx)])
+        if off is None:
+            return False
+        rec.offset, rec.state = off, RESIDENT
+        rec.fill(state, self.state_keys, self.arena.buffer, off)
+        rec.dirty = True
+        self.ahead.add(rec.op_id)
+        self.counters.add(arrived=1)
+        self.counters.resident(self.arena.used)
+        return True
 
     @_timed
     def remove(self, op_id: str) -> None:
@@ -94,12 +119,15 @@ class VirtualStore(WorkingSet):
 
     @_timed
     def export(self, op_id: str, copy: bool = True) -> OpState:
-        """The op's flat state as host tensors, from its host home brought up to date: copies
-        (``copy``; a snapshot, and tensors that ``torch.save`` accepts) or views of the home
-        (for an op given up: its home goes with it, nothing is copied)."""
+        """The op's flat state: copies (``copy``; a snapshot from its host home brought up to
+        date, host tensors that ``torch.save`` accepts) or, for an op given up, views of where it
+        lives: its arena region while resident (it leaves from the device: no write-back, and
+        under NCCL no host copy on either side of a move) or else its home."""
         rec = self.ops[op_id]
         if rec.state == FETCHING:
             self._complete(rec)
+        if not copy and rec.state == RESIDENT and rec.nbytes:
+            return rec.state_in(self.arena.buffer, rec.offset, copy=False)  # it leaves from the arena
         if rec.state == RESIDENT and rec.dirty and rec.nbytes:
             self._write_back(rec).synchronize()
         if rec.host_pending is not None:
@@ -113,6 +141,7 @@ class VirtualStore(WorkingSet):
         """Set the known future (op sets of the coming steps, the step about to run first) and
         start fetching it in the background as far as the budget allows."""
         self.future = [frozenset(s) for s in upcoming]
+        self.running = 0
         self._pump()
 
     @_timed
@@ -228,7 +257,7 @@ class VirtualStore(WorkingSet):
             p.grad = None  # the device gradient is freed before the parameter moves home
         if rec.nbytes and rec.state != HOST:
             self._complete(rec)
-            if rec.dirty and rec.buffer_owner:
+            if rec.dirty:  # changed buffers, or a home left stale by an arrival in the arena
                 self._write_back(rec).synchronize()
             rec.host_pending = None
             rec.dirty = False
@@ -239,10 +268,12 @@ class VirtualStore(WorkingSet):
             p.grad = g
 
     @_timed
-    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0) -> MemoryStats:
+    def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0,
+                     in_flight: int = 0) -> MemoryStats:
         """Unpin the step's ops (``ops``: only those, while other subnets in flight keep theirs
         pinned), move the future on (``advance``: its entry ``done`` is over) and keep
-        prefetching; returns the counters since the last release."""
+        prefetching past the ``in_flight`` subnets still running here; returns the counters
+        since the last release."""
         if ops is None:
             self.pinned.clear()
             self.in_use.clear()
@@ -251,6 +282,7 @@ class VirtualStore(WorkingSet):
             self.in_use.difference_update(ops)
         if advance and done < len(self.future):
             self.future.pop(done)
+        self.running = in_flight
         self._pump()
         return self.counters.end_step(self.arena.used)
 

@@ -45,6 +45,7 @@ class WorkingSet:
         self.counters = Counters(self.arena.capacity)
         self.ops: dict[str, OpPlacement] = {}
         self.future: list[frozenset[str]] = []
+        self.running = 0  # the future's first entries that are subnets in flight (their ops pinned)
         self.pinned: set[str] = set()  # needed by the current step
         self.in_use: set[str] = set()  # handed out this step: in an autograd graph, must not move
         self.ahead: set[str] = set()  # fetched ahead and not used yet
@@ -214,7 +215,7 @@ class WorkingSet:
 
     def _pump(self) -> None:
         """Retire finished copies and issue fetches for the coming steps while the budget and
-        the in-flight limit allow."""
+        the in-flight limit allow: the subnets in flight and ``prefetch_depth + 1`` after them."""
         keep = []
         for rec, h in self.in_flight:
             if h.done():
@@ -226,7 +227,7 @@ class WorkingSet:
         self._blocked = False
         if not self.policy.prefetches:
             return
-        horizon = self.future[: self.settings.prefetch_depth + 1]
+        horizon = self.future[: self.running + self.settings.prefetch_depth + 1]  # past those in flight
         for idx, ops in enumerate(horizon):
             for op_id in sorted(ops):
                 rec = self.ops.get(op_id)
