@@ -30,24 +30,24 @@ Per setting (P, M, over-subscription, optimizer, window):
   subnet begins on a stage only when its ops fit beside those in flight there.
 * **Tensor manager** (``pipeline.plan.stage_residency``): per stage, the executor's events over
   the schedule (use order = subnets by their first forward here; pin from the first forward to
-  the update; fetch ahead at the start and after each update over the first ``prefetch_depth + 1``
-  pending subnets, those in flight included, as the runtime's store does) decided by the runtime's
-  policy objects (``belady`` with the exact future, ``lru``). The copies are replayed on each
-  stage's host link (``--links`` bytes/s each way; write-backs and fetches in one FIFO, as the
-  runtime's copier issues them on one stream): a fetch ahead late for its subnet's first forward,
-  a demand fetch, or an exported (migrating) op's write-back is a stall. The arena starts cold
-  (its first fetches are timed).
+  the update; fetch ahead at the start and after each update over ``prefetch_depth + 1`` pending
+  subnets past those in flight; an op that moves in lands in the arena when room can be made
+  without evicting an op needed sooner, and leaves from it: no host copy either side) decided by
+  the runtime's policy objects (``belady`` with the exact future, ``lru``). The copies are
+  replayed on each stage's host link (``--links`` bytes/s each way; fetches and write-backs on
+  a stream each, as the runtime's CUDA copier issues them): a fetch ahead late for its subnet's
+  first forward or a demand fetch is a stall. The arena starts cold (its first fetches are timed).
 * **Variants** (:class:`Variant`): what the runtime does (Belady and LRU, ``prefetch_depth`` 2
-  and window + 1, ``runtime: true``) and what-ifs (``--no-what-ifs`` drops them): a second copy
-  stream (write-backs beside the fetches) and moved ops adopted into the arena (``adopt:
-  device``: no host copy on either side of a move), apart and together.
+  and window + 1, ``runtime: true``) and, beside it (``--no-what-ifs`` drops them), the runtime
+  before fb3ab5a: one copy stream, moved ops written back by the sender and adopted into a host
+  home by the receiver, the horizon counting the subnets in flight.
 
 Per row: throughput over the baseline (``over_all_resident``), hit rate, prefetched and miss
 shares, stalls (count of actions that waited, seconds summed over stages, per subnet), the
 window, and where the time goes: the schedule with only the activation plan's added time
 (``acts_only``), with the arena bound as well but free copies (``bound_no_copies``), then with
 copies (the row's figure). ``vtm_cross_verdict`` lines: the issue's targets (>= 0.95 at 4x,
->= 0.85 at 8x, P = 4, M = 4), for the runtime and for the best what-if.
+>= 0.85 at 8x, P = 4, M = 4), for the runtime and for the runtime before.
 
     python bench/vtm_cross.py [--subnets 192] [--oversub 4 8] [--optimizers sgd adamw]
 """
@@ -181,23 +181,32 @@ def in_flight(sched, s: int) -> tuple[float, int]:
 @dataclass(frozen=True)
 class Variant:
     """How the tensor manager runs: its policy, ``memory.prefetch_depth`` (an int, or ``w+N``:
-    window + N), copy streams (1: write-backs and fetches in one FIFO, as the runtime's copier) and
-    where a moved op lands (``host``: the runtime; ``device``: a what-if)."""
+    window + N), copy streams (2: fetches beside write-backs, the runtime's copier; 1: one FIFO,
+    the runtime before fb3ab5a), where a moved op lands (``device``: in the arena when room can
+    be made, the runtime; ``host``: a host home, before) and whether the fetch-ahead horizon
+    looks past the subnets in flight (``past``: the runtime) or counts them (``counts``: before)."""
 
     policy: str = "belady"
     depth: str = "2"
-    streams: int = 1
-    adopt: str = "host"
+    streams: int = 2
+    adopt: str = "device"
+    horizon: str = "past"
 
     @property
     def runtime(self) -> bool:
-        """Whether this is what the runtime does (else a what-if)."""
-        return self.streams == 1 and self.adopt == "host"
+        """Whether this is what the runtime does now (else the runtime before fb3ab5a)."""
+        return self.streams == 2 and self.adopt == "device" and self.horizon == "past"
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}/d={self.depth}" + ("" if self.runtime else " (before)")
 
 
 RUNTIME_VARIANTS = tuple(Variant(p, d) for d in ("2", "w+1") for p in ("belady", "lru"))
-WHAT_IFS = (Variant(depth="w+1", streams=2), Variant(depth="w+1", adopt="device"),
-            Variant(depth="w+1", streams=2, adopt="device"))
+# the runtime before fb3ab5a (one copy stream, moved ops through host homes, the horizon counting
+# the subnets in flight): the same run's "before" figures
+WHAT_IFS = tuple(Variant(p, d, streams=1, adopt="host", horizon="counts") for d in ("2", "w+1")
+                 for p in ("belady", "lru"))
 
 
 def depth_of(spec: str, window: int) -> int:
@@ -209,8 +218,8 @@ def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: in
                 base_s: float) -> dict:
     """One variant's residency plans over ``sched``, replayed with their copies."""
     P, T = stream.P, len(stream.work)
-    plans = [plan_stage(sched, s, split["state"], split["capacity"][s], v.policy, depth_of(v.depth, window), v.adopt)
-             for s in range(P)]
+    plans = [plan_stage(sched, s, split["state"], split["capacity"][s], v.policy, depth_of(v.depth, window), v.adopt,
+                        v.horizon == "past") for s in range(P)]
     more = {Action(s, "F", 0, t): (("d2h", n), ("h2d", n))  # activations out in the forwards, back for the backwards
             for s in range(P) for t in range(T) if (n := split["swap"][s][t])}
     copies = residency_copies(sched, plans, more=more, duplex=v.streams == 2)
@@ -312,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the arena gets at least this many times the stage's largest subnet state before the "
                          "activations are kept whole; each is tried (first variant) and the fastest kept")
     ap.add_argument("--no-what-ifs", action="store_true",
-                    help="only what the runtime does (no second copy stream, no adoption into the arena)")
+                    help="only what the runtime does now (not the runtime before fb3ab5a beside it)")
     ap.add_argument("--links", type=float, nargs="+", default=[25e9], help="host link bytes/s each way, per stage")
     args = ap.parse_args(argv)
     P = args.stages
@@ -349,12 +358,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     fig["over_best_all_resident"] = best_base / fig["makespan_s"]
                     rows.append({**head, "policy": v.policy, "prefetch_depth": v.depth,
                                  "prefetch_depth_resolved": depth_of(v.depth, window), "copy_streams": v.streams,
-                                 "adopt": v.adopt, "runtime": v.runtime, **body, **fig})
+                                 "adopt": v.adopt, "horizon": v.horizon, "runtime": v.runtime, **body, **fig})
                 progress(f"{opt} M={M} x{oversub:g} w={window} {link_bw / 1e9:g} GB/s: "
                          f"{time.perf_counter() - t1:.0f} s, arena x{res['arena_subnets']:g}, "
                          f"acts only {res['acts_only_over_all_resident']:.3f}, "
                          f"bound {res['bound_no_copies_over_all_resident']:.3f}; " +
-                         ", ".join(f"{v.policy}/{v.depth}/{v.streams}s/{v.adopt} {f['over_all_resident']:.3f} "
+                         ", ".join(f"{v.label} {f['over_all_resident']:.3f} "
                                    f"(hit {f['hit_rate']:.2f})" for v, f in res["rows"].items()))
     emit("vtm_cross", rows + verdicts(rows, P))
     progress(f"total {time.perf_counter() - t0:.0f} s")
@@ -377,10 +386,11 @@ def verdicts(rows: Sequence[dict], P: int) -> list[dict]:
         r = max(cand, key=lambda r: r["over_best_all_resident"])
         out.append({"bench": "vtm_cross_verdict", "optimizer": opt, "host_link_GBps": link,
                     "what": f">= {goal}x all-resident at {oversub:g}x over-subscription, P={P}, M=4",
-                    "as": "the runtime" if runtime else "best what-if",
+                    "as": "the runtime" if runtime else "the runtime before fb3ab5a",
                     "figure": r["over_best_all_resident"], "same_window_figure": r["over_all_resident"],
                     "met": r["over_best_all_resident"] >= goal, "window": r["window"],
                     "prefetch_depth": r["prefetch_depth"], "copy_streams": r["copy_streams"], "adopt": r["adopt"],
+                    "horizon": r.get("horizon"),
                     "hit_rate": r["hit_rate"], "stalls": r["stalls"]["count"],
                     "stall_s": r["stalls"]["seconds_all_stages"]})
     return out

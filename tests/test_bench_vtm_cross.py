@@ -75,6 +75,7 @@ def test_rows_and_verdicts(stream: Stream) -> None:
     assert res["all_resident"] == base and set(res["rows"]) == set(RUNTIME_VARIANTS)
     rows = [{"optimizer": "sgd", "oversubscription": 4.0, "M": 4, "host_link_GBps": 25.0, "policy": v.policy,
              "runtime": v.runtime, "window": 2, "prefetch_depth": v.depth, "copy_streams": v.streams, "adopt": v.adopt,
+             "horizon": v.horizon,
              "over_best_all_resident": r["over_all_resident"], **r} for v, r in res["rows"].items()]
     (line,) = verdicts(rows, 4)
     best = max(r["over_all_resident"] for v, r in res["rows"].items() if v.policy == "belady")

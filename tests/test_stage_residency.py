@@ -110,7 +110,7 @@ def test_a_moving_op_is_fetched_where_it_lands_and_written_back_where_it_leaves(
     work = [SubnetWork(u, (1.0,) * P, (2.0,) * P, (0.1,), (0.5,) * P) for u in uses]
     sizes = {"x": 8, "a": 4, "b": 4}
     sched = cross_subnet(work, M, 1, origin={"x": 0, "a": 0, "b": 1}, state_time={"x": 0.2})
-    src, dst = plan_stage(sched, 0, sizes, 100), plan_stage(sched, 1, sizes, 100)
+    src, dst = plan_stage(sched, 0, sizes, 100, adopt="host"), plan_stage(sched, 1, sizes, 100, adopt="host")
     (end0,) = [ev for ev in src.events if ev.kind == "end" and ev.subnet == 0]
     assert end0.leave == (("x", 8),)  # changed on the device: written back before it is sent
     (begin1,) = [ev for ev in dst.events if ev.kind == "begin" and ev.subnet == 1]
@@ -119,8 +119,8 @@ def test_a_moving_op_is_fetched_where_it_lands_and_written_back_where_it_leaves(
     copies = residency_copies(sched, [src, dst])
     (export,) = [c for c in copies if c.label == "export x"]
     assert export.after == Action(0, "U", 0, 0) and export.before == Action(0, "F", 0, 1)
-    # the what-if: the state lands in the arena and leaves from it, no host copy either side
-    src_d, dst_d = plan_stage(sched, 0, sizes, 100, adopt="device"), plan_stage(sched, 1, sizes, 100, adopt="device")
+    # the runtime now: the state lands in the arena and leaves from it, no host copy either side
+    src_d, dst_d = plan_stage(sched, 0, sizes, 100), plan_stage(sched, 1, sizes, 100)
     assert dict(next(ev for ev in src_d.events if ev.kind == "end" and ev.subnet == 0).leave) == {"x": 0}
     assert dst_d.arrived == 1 and dst_d.hits + dst_d.prefetched + dst_d.misses + dst_d.arrived == dst_d.uses
     assert all(f.op != "x" for ev in dst_d.events for f in ev.fetches)
@@ -133,21 +133,40 @@ def test_an_op_that_leaves_and_comes_back_is_owned_in_between_only() -> None:
     work = [SubnetWork(u, (1.0,) * P, (2.0,) * P, (0.1,), (0.5,) * P) for u in uses]
     sizes = {"x": 8, "a": 4, "b": 4}
     sched = cross_subnet(work, M, 1, origin={"x": 0, "a": 0, "b": 1})
-    plan = plan_stage(sched, 0, sizes, 100, prefetch_depth=2)
+    plan = plan_stage(sched, 0, sizes, 100, prefetch_depth=2, adopt="host")
     start = plan.events[0]
     assert start.kind == "start" and [f.op for f in start.fetches] == ["x", "a"]  # owned at the start: ahead
     (back,) = [ev for ev in plan.events if ev.kind == "begin" and ev.subnet == 2]
     assert [f.op for f in back.fetches] == ["x"]  # it came back in a host home: on demand
+    plan = plan_stage(sched, 0, sizes, 100, prefetch_depth=2)  # into the arena: no fetch at all
+    assert plan.arrived == 1 and all(f.op != "x" for ev in plan.events[1:] for f in ev.fetches)
 
 
-def test_the_horizon_counts_the_subnets_in_flight() -> None:
-    # the runtime's store looks at the first prefetch_depth + 1 pending subnets, those in flight
-    # included: with three in flight and depth 2 nothing is fetched ahead after an update
+def test_an_arrival_evicts_as_a_fetch_ahead_would() -> None:
+    # "x" arrives on stage 1 for subnet 1 into a full arena: "b" (used) and "c" (fetched ahead for
+    # subnet 2). Belady gives "c" up (needed later) and "x" lands in the arena; LRU keeps ops
+    # fetched ahead from a fetch that is not on demand, so "x" lands at home and its use fetches it
+    uses = [(frozenset({"x"}), frozenset({"b"})), (frozenset({"a"}), frozenset({"x"})),
+            (frozenset({"a"}), frozenset({"c"}))]
+    work = [SubnetWork(u, (1.0,) * P, (2.0,) * P, (0.1,), (0.5,) * P) for u in uses]
+    sizes = {"x": 8, "a": 4, "b": 4, "c": 4}
+    sched = cross_subnet(work, M, 1, origin={"x": 0, "a": 0, "b": 1, "c": 1})
+    belady, lru = plan_stage(sched, 1, sizes, 8), plan_stage(sched, 1, sizes, 8, "lru")
+    assert belady.arrived == 1 and all(f.op != "x" for ev in belady.events for f in ev.fetches)
+    (begin1,) = [ev for ev in lru.events if ev.kind == "begin" and ev.subnet == 1]
+    assert lru.arrived == 0 and [f.op for f in begin1.fetches] == ["x"]
+
+
+def test_the_horizon_looks_past_the_subnets_in_flight() -> None:
+    # the store looks prefetch_depth + 1 pending subnets past those in flight; counting those in
+    # flight among them (the runtime before), a shallow horizon fetches less ahead
     work, sizes = _stream(12, 6, layers=2, choices=12)
     sched = _schedule(work, sizes, window=4)
-    shallow = plan_stage(sched, 0, sizes, 10**9, "belady", prefetch_depth=0)
-    deep = plan_stage(sched, 0, sizes, 10**9, "belady", prefetch_depth=6)
+    shallow = plan_stage(sched, 0, sizes, 10**9, "belady", prefetch_depth=0, past_in_flight=False)
+    deep = plan_stage(sched, 0, sizes, 10**9, "belady", prefetch_depth=6, past_in_flight=False)
     assert deep.prefetched > shallow.prefetched and deep.misses < shallow.misses
+    past = plan_stage(sched, 0, sizes, 10**9, "belady", prefetch_depth=0)
+    assert past.prefetched > shallow.prefetched and past.misses < shallow.misses
 
 
 def test_bad_inputs_name_what_was_expected() -> None:

@@ -6,8 +6,10 @@ order of their first forward here, each one's ops) and the store fetches ahead; 
 *begin* (its first forward here) it pins the subnet's ops and waits until they are resident (an
 op not there yet is fetched on demand); at its *end* (its update ``U`` here) it unpins the ops
 no other subnet in flight here runs, drops the subnet from the future and fetches ahead again,
-then exports the ops whose next user runs on another stage (a write-back when the device copy
-changed; the receiving stage adopts the op into a host home, so its first use there fetches it).
+then exports the ops whose next user runs on another stage: from the arena, no write-back; the
+receiving stage places the arriving op in its arena as a fetch ahead would (evicting only ops
+needed later), else in a host home, so its first use there fetches it. (Before, every moved op
+was written back by the sender and landed in a host home: ``adopt="host"``.)
 
 :func:`plan_stage` replays those decisions without a device, as the runtime's working set
 (:class:`pipeline.memory.working_set.WorkingSet`) makes them, with the same policy objects
@@ -16,7 +18,8 @@ used first (last use = the last begin that pinned it), each with its next use as
 the future (the pending subnets, those in flight first); a fetch ahead for the future entry
 ``idx`` evicts only what the policy gives up for ``idx``, and stops the round when it gives up
 nothing; a demand fetch takes any candidate. Ahead of use the store looks at the first
-``prefetch_depth + 1`` pending subnets, *those in flight included* (the runtime's horizon). The
+``prefetch_depth + 1`` pending subnets past those in flight (``past_in_flight=False``: those in
+flight counted among them, the runtime before). The
 arena is a byte count (no fragmentation: the runtime may also compact, or evict a second op of
 equal rank for a hole); copies in flight are not capped (``memory.max_in_flight`` only delays
 when the runtime asks again). The arena holds op state only, as the runtime's does (gradients and
@@ -28,8 +31,10 @@ activations live beside it), and so does the admission builder's
 must land before their subnet's first forward here (a late one is a stall); demand fetches start
 when the forward's stage is free and its input has been sent, and the forward waits for them; a
 fetch into the room of a changed op waits for that op's write-back; an exported op's write-back
-holds the stage (the runtime synchronizes it). Write-backs share the fetches' FIFO (the runtime's
-copier has one stream) unless ``duplex``. Pure: values in, values out.
+holds the stage (the runtime before synchronized it; an op exported from the arena writes back
+nothing). Write-backs run on a channel of their own beside the fetches (``duplex``: the runtime's
+CUDA copier has a stream per direction) or share the fetches' FIFO (one stream, the runtime
+before). Pure: values in, values out.
 """
 from __future__ import annotations
 
@@ -108,14 +113,17 @@ class StageResidency:
 
 
 def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacity: int, policy: str = "belady",
-               prefetch_depth: int = 2, adopt: str = "host") -> StageResidency:
+               prefetch_depth: int = 2, adopt: str = "device", past_in_flight: bool = True) -> StageResidency:
     """The tensor manager's decisions on ``stage`` over ``schedule`` (the module doc).
 
     ``sizes[op]``: the op's bytes in the arena (weights, buffers and optimizer state on the
     device); ``capacity``: the arena's bytes. ``adopt``: where an op that moves in lands:
-    ``host`` (the runtime: a host home, so its first use here fetches it, and the stage it
-    leaves writes it back first) or ``device`` (a what-if: its state arrives in the arena and
-    leaves from it, no host copy either side).
+    ``device`` (the runtime: its state arrives in the arena when room can be made without
+    evicting an op needed sooner, else in a host home and is fetched on demand; it leaves from
+    the arena, no host copy either side) or ``host`` (the runtime before: always a host home,
+    so its first use here fetches it, and the stage it leaves writes it back first).
+    ``past_in_flight``: the fetches ahead look ``prefetch_depth + 1`` pending subnets past those
+    in flight (the runtime); ``False``: the in-flight ones count in them (the runtime before).
     Raises :class:`StageResidencyError` when the ops pinned at once exceed ``capacity``.
     """
     if adopt not in ("host", "device"):
@@ -219,7 +227,7 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
         if not rule.prefetches:
             return
         pending = [t for t in order[:begun] if t in inflight] + order[begun:]
-        for idx, t in enumerate(pending[: prefetch_depth + 1]):
+        for idx, t in enumerate(pending[: (len(inflight) if past_in_flight else 0) + prefetch_depth + 1]):
             keep = uses[t] if rule.spares_fetched_step else ()
             for op in uses[t]:
                 if op not in owned or op in res or not sizes[op]:
@@ -259,9 +267,8 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
                 last_use[op] = tick
                 if op in res:
                     (pre if op in ahead else hits).append(op)
-                elif op in landed:  # its state came over the stage link into the arena
-                    make_room(sizes[op], None, (), ev)
-                    res[op] = sizes[op]
+                elif op in landed and make_room(sizes[op], len(inflight) - 1, (), ev) is not None:
+                    res[op] = sizes[op]  # its state came over the stage link into the arena
                     used += sizes[op]
                     totals["arrived"] += 1
                 else:
@@ -308,11 +315,11 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
 
 def residency_copies(schedule: Schedule, plans: Sequence[StageResidency], timed_start: bool = True,
                      more: Mapping[Action, Sequence[tuple[str, float]]] | None = None,
-                     duplex: bool = False) -> list[Copy]:
+                     duplex: bool = True) -> list[Copy]:
     """The host-channel jobs of ``plans`` (one per stage) for :func:`~pipeline.plan.simulate.simulate`
-    (the module doc). ``duplex=False``: write-backs and fetches share one FIFO (channel ``h2d``),
-    as the runtime's copier issues both on one stream; ``True``: write-backs on ``d2h`` beside
-    them (two streams, a full-duplex link). ``timed_start=False``: the segment's first fetches
+    (the module doc). ``duplex=True``: write-backs on ``d2h`` beside the fetches (two streams, a
+    full-duplex link: the runtime's copier); ``False``: both share one FIFO (channel ``h2d``), as
+    the runtime's copier issued them before on one stream. ``timed_start=False``: the segment's first fetches
     ahead were made before it began (a warm arena), so they cost nothing here. ``more[F0]``:
     further jobs ``(channel, bytes)`` of a subnet's first forward's stage, after that forward
     (activation swaps, ...)."""
