@@ -28,6 +28,12 @@ and this executor only follows it:
 Gradients of one subnet accumulate in ascending micro-batch order and no two subnets in flight
 share an op with state except through the versions the rule names, so every op sees the same
 updates, in the same order, with the same gradients as in the single-process reference.
+
+An evaluation (:meth:`StageExecutor.evaluate`) runs the forward-only schedule
+(:func:`~pipeline.plan.schedule.forward_only`) through the same executor: its batches may have
+any size, so its messages describe themselves; batch norm is recalibrated on the calibration
+batches first (train-mode forwards) and restored afterwards; the last stage sums loss, correct
+answers and count on the device and broadcasts them.
 """
 from __future__ import annotations
 
@@ -38,18 +44,19 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from supernet import SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
+from supernet import Slice, SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
 
-from .engine import activation_policy, update
+from .engine import EvalResult, activation_policy, recalibrated_bn, update
 from .failures import FailureReporter
 from .lookahead import Plan
 from .memory import MemoryStats
-from .plan.schedule import Action, Schedule, Wait
+from .plan.schedule import Action, Schedule, Wait, forward_only
 from .shared import SharedOps
 from .trace import Tracer
-from .transport import PostedRecv, Transport
+from .transport import PostedRecv, Transport, peer_errors
 from .wire import TensorSpec
 
 __all__ = ["StageExecutor", "SegmentRun", "Segment"]
@@ -98,8 +105,9 @@ Clipper = Callable[[int, Plan], Callable | None]
 class StageExecutor:
     def __init__(self, rank: int, graph: SupernetGraph, tensors, shared: SharedOps, transport: Transport,
                  state_transport: Transport, failures: FailureReporter, tracer: Tracer, device: torch.device,
-                 seed: int, reducer=None, offset: int = 0, clipper: Clipper | None = None) -> None:
+                 seed: int, reducer=None, offset: int = 0, clipper: Clipper | None = None, peer=None) -> None:
         self.rank, self.graph, self.tensors, self.shared = rank, graph, tensors, shared
+        self.peer = peer  # this stage's side of the peer tier (a giver's PeerClient; None: ``peer`` keeps)
         # replicated stages (pipeline/replicas.py): ``reducer`` folds the replicas' gradients at
         # each U action; ``offset`` is the global index of this replica's first micro-batch
         self.reducer, self.offset, self.clipper = reducer, offset, clipper
@@ -169,7 +177,7 @@ class StageExecutor:
         losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
                   for _ in seg.steps]
         values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
-        policies = [activation_policy(p.stage_activations(me)) for p in seg.plans]
+        policies = [activation_policy(p.stage_activations(me), self.peer) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
             for op, src, dst in seg.tail:  # then the next subnet's ops this segment does not use
@@ -245,6 +253,49 @@ class StageExecutor:
                 stats.swapped_bytes += policy.swapped_bytes
                 stats.recomputed_ops += policy.recomputed_ops
         return [v if v is not None else () for v in values], stats
+
+    @torch.no_grad()
+    def evaluate(self, mine: Slice, num_stages: int, batches: list, calib: list, transport: Transport) -> EvalResult:
+        """This stage's part of an evaluation of the slices ``mine`` belongs to (collective over
+        the stages; the module doc): the live ops, the same result on every rank. ``transport``:
+        the evaluation's channel (not the schedule's, whose next receives may be posted)."""
+        last, me, tr = num_stages - 1, self.rank, transport
+
+        def module(op: str) -> nn.Module:
+            return self.tensors.module(op)
+
+        def stream(batches: list, training: bool, on_output) -> None:
+            if not batches:
+                return
+            for action in forward_only(num_stages, len(batches)).actions[me]:
+                with self.failures.failing(-1, action):
+                    m = action.microbatch
+                    inputs = [batches[m][0]] if me == 0 else tr.recv(me - 1)[0]
+                    outs = SliceRun(mine, module, op_contexts(self.seed, -1, m, training)).forward(inputs, grad=False)
+                    if me == last:
+                        if on_output is not None:
+                            on_output(outs[0], batches[m][1])
+                    else:
+                        tr.send(outs, me + 1)
+            tr.flush()
+
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+
+        def score(out: torch.Tensor, y: torch.Tensor) -> None:
+            totals[0] += classification_loss(out, y, 1)
+            totals[1] += (out.argmax(-1) == y).sum()
+            totals[2] += y.shape[0]
+
+        with recalibrated_bn([module(op.op_id) for op in mine.ops] if calib else []):
+            stream(calib, True, None)
+            stream(batches, False, score)
+        with self.failures.failing(-1, "result"):
+            src = tr.global_rank(last)
+            with (peer_errors("receiving the evaluation's result from", src) if me != last
+                  else peer_errors("sending the evaluation's result to the other stages")):
+                dist.broadcast(totals, src=src, group=tr.group)  # within this replica
+        loss_sum, correct, total = totals.cpu().tolist()
+        return EvalResult(loss_sum / max(total, 1), int(correct), int(total))
 
     def _update(self, ops: frozenset[str], step: int, plan: Plan, lr: float,
                 losses: torch.Tensor) -> tuple[float, ...]:

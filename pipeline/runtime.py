@@ -41,13 +41,13 @@ import torch.distributed as dist
 from supernet import Arch, SupernetGraph
 
 from .agreement import Agreement, AgreementError, plan_what
-from .evaluation import evaluate_stage
 from .engine import EvalResult, GradClip, LrSchedule, StepInput, StepResult, graph_has_batchnorm, split_batch
 from .executor import Segment, StageExecutor
 from .failures import FailureReporter, StageFailure, parse_fault
 from .layout import resolve_layout
 from .lookahead import LookaheadPlanner, Plan
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
+from .memory.peer import open_peer, peer_needed
 from .memory.sizing import op_footprints
 from .migration import Migrator
 from .plan.admission import ArenaBound, cross_subnet, sequential
@@ -179,6 +179,9 @@ class PipelineEngine:
             self.reducer = ReplicaReducer(mesh, Transport(mesh.replica, self.device, timeout, group=rgroup,
                                                           peers=mesh.replica_ranks()), rgroup, settings.reduce)
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
+        # the peer tier (memory.activations peer | auto): stage s hands saved activations to P - 1 - s
+        self.peer = (open_peer(me, self.num_stages, self.transport.global_rank, self.device, timeout)
+                     if peer_needed(getattr(memory, "activations", "keep"), self.num_stages, env.world_size) else None)
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, self.local_microbatches)
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)
@@ -205,7 +208,8 @@ class PipelineEngine:
         # combination table, pipeline/combinations.py, refuses it with cross-subnet schedules)
         self.executor = StageExecutor(me, graph, self.tensors, self.shared, self._schedule_transport, state,
                                       self.failures, self.tracer, self.device, seed, reducer=self.reducer,
-                                      offset=offset, clipper=self._clipper if self.clip is not None else None)
+                                      offset=offset, clipper=self._clipper if self.clip is not None else None,
+                                      peer=self.peer.client if self.peer is not None else None)
         self.checkpoint_every = checkpoint_every
         self._segment_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-segment")
         self._ahead: Future | None = None  # the next segment's plans and schedule, being made
@@ -509,8 +513,7 @@ class PipelineEngine:
         mine = plan.slices[self.stage_index]
         self.tensors.ensure([op.op_id for op in mine.ops])
         try:  # every replica evaluates alike (same batches): the same result on every rank
-            return evaluate_stage(mine, self.stage_index, self.num_stages, self.seed, self.tensors.module,
-                                  self.transport, self.failures, batches, calib, self.device)
+            return self.executor.evaluate(mine, self.num_stages, batches, calib, self.transport)
         finally:
             self.tensors.release_step(advance=False)
 
@@ -545,6 +548,8 @@ class PipelineEngine:
         self._segment_pool.shutdown(wait=ok, cancel_futures=True)
         if ok:
             self.agreement.read(strict=False)  # a check posted for a segment that never ran
+        if self.peer is not None:
+            self.peer.close(wait=ok)
         self.tensors.close()
         if dist.is_initialized():
             if ok:
