@@ -7,7 +7,7 @@ manager starts (CUDA only; at most one of the two).
 ``host_memory``: where non-resident ops live: ``pageable``, ``pinned`` (page-locked, what
 makes host-to-device copies asynchronous and fast on CUDA) or ``shared`` (shared memory, so
 other processes on the machine can map it). ``policy``: what is evicted and when ops are
-fetched (:mod:`pipeline.memory.policy`): ``belady`` (evict the op whose next use in the known
+fetched (:mod:`pipeline.plan.policy`): ``belady`` (evict the op whose next use in the known
 future is furthest away, prefetch from the lookahead), ``lru`` (prefetch from the lookahead,
 evict the least recently used op) or ``on_demand`` (no prefetch: fetch synchronously when used,
 evict LRU).
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import POLICIES
+from ..plan.policy import POLICIES
 
 __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZER_PLACEMENTS"]
 

@@ -3,7 +3,7 @@
 :class:`WorkingSet` holds every owned op's :class:`~pipeline.memory.placement.OpPlacement` (in
 its host home, being fetched, or resident in the :class:`~pipeline.memory.arena.Arena`), the
 known future (the op sets of the coming steps, the one about to run first), and the copies in
-flight. It places a fetch in the arena, evicting what its :mod:`~pipeline.memory.policy` says
+flight. It places a fetch in the arena, evicting what its :mod:`~pipeline.plan.policy` says
 (the same objects the offline planner asks) and compacting the arena when free bytes suffice but
 no gap does; it fetches the coming steps' ops ahead while the budget and ``max_in_flight``
 allow. An evicted op is copied back only when dirty: it took an optimizer step on the device,
@@ -23,7 +23,7 @@ from .arena import Arena
 from .copies import Handle, make_copier
 from .errors import fragmented_error
 from .placement import FETCHING, HOST, RESIDENT, OpPlacement
-from .policy import Candidate, policy_named
+from ..plan.policy import Candidate, policy_named
 from .settings import MemorySettings
 from .state import alignment_for
 from .stats import Counters

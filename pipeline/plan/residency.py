@@ -8,7 +8,7 @@ future into a :class:`ResidencyPlan` — data, step by step: what is fetched (on
 of the step, or ahead, during it), what is evicted (and written back when dirty), hits, misses and
 the peak resident bytes — which the runtime executes and :mod:`pipeline.plan.simulate` times.
 
-Policies (``policy=``) are the objects of :mod:`pipeline.memory.policy`, the same ones the
+Policies (``policy=``) are the objects of :mod:`pipeline.plan.policy`, the same ones the
 runtime store asks, so the plan and the run evict alike: ``belady`` (furthest next use; with
 unit sizes and no prefetch Belady's MIN, optimal; with mixed sizes the usual heuristic, as
 optimal caching with sizes is NP-hard), ``lru`` and ``on_demand`` (no prefetch). The ops of the
@@ -27,7 +27,7 @@ import bisect
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..memory.policy import NEVER, POLICIES, Candidate, policy_named
+from .policy import NEVER, POLICIES, Candidate, policy_named
 
 __all__ = ["NEVER", "ResidencyError", "StepResidency", "ResidencyPlan", "NextUse", "next_use", "plan_residency"]
 

@@ -13,7 +13,7 @@ was written back by the sender and landed in a host home: ``adopt="host"``.)
 
 :func:`plan_stage` replays those decisions without a device, as the runtime's working set
 (:class:`pipeline.memory.working_set.WorkingSet`) makes them, with the same policy objects
-(:mod:`pipeline.memory.policy`): candidates are the resident ops not pinned, least recently
+(:mod:`pipeline.plan.policy`): candidates are the resident ops not pinned, least recently
 used first (last use = the last begin that pinned it), each with its next use as an index into
 the future (the pending subnets, those in flight first); a fetch ahead for the future entry
 ``idx`` evicts only what the policy gives up for ``idx``, and stops the round when it gives up
@@ -42,7 +42,7 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..memory.policy import NEVER, Candidate, policy_named
+from .policy import NEVER, Candidate, policy_named
 from .schedule import Action, Schedule
 from .simulate import Copy
 
