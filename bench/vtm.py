@@ -40,14 +40,28 @@ Per setting (P, over-subscription, optimizer placement, host link, tokens per st
   host channels; a fetch that is late for the stage's first forward is a stall. Channel backlogs
   carry over to the next step.
 
+* **Peer tier** (``--peer-links``, issue 26): each setting runs again with the activation planner's
+  ``peer`` choice (:mod:`pipeline.plan.activations`: stage ``s`` hands saved activations to stage
+  ``P - 1 - s`` over a peer link of its own and gets them back before the backward). A holding
+  stage lends what its budget leaves beyond two steps' op state (``peer_lend`` of it) and, per
+  subnet, what its own activations leave of their share; it plans its own activations first, its
+  giver second (:func:`~pipeline.plan.pairs.pair_plans`). The copies run on the giver's
+  ``peer_out`` / ``peer_in`` channels in the replay, one per micro-batch: out after its forward,
+  back after the action two before its backward and before that backward (a late one stalls it).
+  Each row reports the activation memory per stage (``activation_profile_GB``: keep-all, the
+  plan's own, what it holds for its pair) and a ``vtm_peer`` line puts the two rows side by side.
+
 One JSON line per setting. A ``measure`` mode (real copies on a CUDA device, against the same
 figures) belongs beside ``simulate`` in :func:`main`; it is not written yet.
 
     python bench/vtm.py [--subnets 1000] [--seed 0] [--ceiling]   # ~14 min on one core
+    python bench/vtm.py --stages 8 --oversub 4 8 --placements hybrid --links 25e9 --sweep-microbatches \
+        --peer-links 150e9 --ceiling                                 # issue 26's rows
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -60,7 +74,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
-from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
+from pipeline.plan.activations import (  # noqa: E402
+    ALL_CHOICES, CHOICES, ActivationError, ActivationPlan, min_activation_memory, plan_activations,
+)
+from pipeline.plan.pairs import gives, pair_of, pair_plans  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem  # noqa: E402
 from pipeline.plan.hybrid import REUSE_NEXT, HybridCosts, limit_host, plan_hybrid, reuse_rule, shed_to_fit  # noqa: E402
 from pipeline.plan.partition import ManagedMemory, evaluate, solve  # noqa: E402
@@ -104,7 +121,8 @@ def build_space(subnets: int, seed: int, flops: float, hbm: float, overhead: flo
 
 def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
                 host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT,
-                ceiling: bool = False, arena_quantile: float = 1.0) -> dict:
+                ceiling: bool = False, arena_quantile: float = 1.0, peer_link: float | None = None,
+                peer_lend: float = 1.0) -> dict:
     """Simulate every policy over the subnets for one setting; the figures of one JSON line
     (with ``ceiling``, also :func:`memory_ceiling`'s).
 
@@ -112,7 +130,11 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     subnets (1: the largest pair, so every prefetch has room; below 1 the activations get more
     memory and the pairs over it fetch what does not fit when their step starts); with
     ``hybrid`` a step whose ops do not fit with the state they keep sends state home
-    (:func:`~pipeline.plan.hybrid.shed_to_fit`, as the runtime store does)."""
+    (:func:`~pipeline.plan.hybrid.shed_to_fit`, as the runtime store does).
+
+    ``peer_link`` (bytes/s each way; None: no peer tier): the activation plans may hand saved
+    activations to the paired stage (module doc); a holder lends ``peer_lend`` of what its budget
+    leaves beyond two steps' op state."""
     if not 0 < arena_quantile <= 1:
         raise ValueError(f"arena_quantile: expected a number in (0, 1], found {arena_quantile!r}")
     table, n = space.table, len(space.actives)
@@ -172,12 +194,16 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
         floor = max(min_activation_memory([ops[o] for o in ids[s][t]], inputs[t], F[s], cut[s][t]) for t in range(n))
         acts = max(min(max(keep), budget - grads - two_steps), floor)
         resident = int(budget - grads - acts)
+        lend = 0
+        if peer_link is not None and not gives(s, P) and pair_of(s, P) != s:  # a holder lends its room
+            lend = int(peer_lend * max(0, resident - two_steps))
+            resident -= lend
         if placement == "hybrid" and arena_quantile < 1:
             on_host[s] = shed_to_fit(hybrid_plans[s], ids[s], weights, optim, resident).on_host
             use_size[s] = use_sizes(s)
         state = [sum(u.values()) for u in use_size[s]]
         stages.append(dict(grads=grads, acts=acts, resident=resident, keep=keep, inputs=inputs, state=state,
-                           floor=floor, two_steps=two_steps))
+                           floor=floor, two_steps=two_steps, lend=lend))
     if placement == "hybrid":
         out["hybrid"] = {"max_gap": hybrid.max_gap, "hold": hybrid.hold,
                          "host_share": sum(len(h) for st in on_host for h in st) / uses}
@@ -192,38 +218,59 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
     out["partitioner_managed_model"] = {"fits_share": sum(x == 0 for x in short) / n,
                                         "worst_short_MB": max(short) / 1e6}
     out["stage_memory_GB"] = [{k: round(v / 1e9, 3) for k, v in st.items() if k in ("grads", "acts", "resident",
-                                                                                      "floor", "two_steps")}
+                                                                                      "floor", "two_steps", "lend")}
                               for st in stages]
 
     # activation plans per stage and subnet (the same for every policy); the link time left to
-    # hide swaps is the stage's compute less its op traffic, at worst every op fetched
+    # hide swaps is the stage's compute less its op traffic, at worst every op fetched. With the
+    # peer tier the pairs plan together (holders first); a peered op's copies are replayed on the
+    # giver's peer channels, so its plan's exposed peer time is not added here
     added = np.zeros((P, n))
     swap_bytes = np.zeros((P, n))
-    recomputed = kept = 0
+    peer_bytes = np.zeros((P, n))  # per micro-batch, each way
+    own = np.zeros((P, n))
+    held = np.zeros((P, n))
+    counts = dict.fromkeys(ALL_CHOICES, 0)
+    allowed = ALL_CHOICES if peer_link is not None else CHOICES
     try:
-        for s, st in enumerate(stages):
-            for t in range(n):
+        for t in range(n):
+            def plan_one(s: int, allow: tuple[str, ...], capacity: float, t: int = t) -> ActivationPlan:
+                st = stages[s]
                 if st["keep"][t] <= st["acts"]:
-                    kept += len(ids[s][t])
-                    continue
+                    return _kept(ids[s][t], st["keep"][t], st["acts"])
                 compute = M * (fwd[s, t] + bwd[s, t])
                 overlap = max(0.0, compute - st["state"][t] / link_bw)
-                plan = plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], F[s], M, st["acts"], link_bw,
-                                        overlap, cut[s][t], resolution=1 << 20)
-                added[s, t], swap_bytes[s, t] = plan.added_s, plan.swap_bytes
-                recomputed += plan.choices.count("recompute")
-                kept += plan.choices.count("keep")
+                return plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], F[s], M, st["acts"], link_bw,
+                                        overlap, cut[s][t], allow, resolution=1 << 20, peer_capacity=capacity,
+                                        peer_bandwidth=peer_link or math.inf, peer_overlap=M * fwd[s, t])
+
+            plans = pair_plans(P, [st["acts"] + st["lend"] for st in stages], allowed, plan_one)
+            for s, plan in enumerate(plans):
+                added[s, t] = plan.added_s - plan.exposed_peer_s
+                swap_bytes[s, t], peer_bytes[s, t] = plan.swap_bytes, plan.peer_bytes / M
+                own[s, t], held[s, t] = plan.memory, plan.held_for_pair
+                for c in plan.choices:
+                    counts[c] += 1
     except ActivationError as e:
         return {**out, "infeasible": str(e), "short_by_bytes": e.short_by}
-    out["activations"] = {"kept_share": kept / uses, "recomputed_share": recomputed / uses,
-                          "swapped_share": 1 - (kept + recomputed) / uses,
+    out["activations"] = {"kept_share": counts["keep"] / uses, "recomputed_share": counts["recompute"] / uses,
+                          "swapped_share": counts["swap"] / uses, "peered_share": counts["peer"] / uses,
                           "added_ms_per_step_max_stage": 1e3 * float(added.max(axis=0).mean())}
+    keep_all = np.array([st["keep"] for st in stages], dtype=float)
+    out["activation_profile_GB"] = {  # per stage, mean over the subnets
+        "keep_all": [round(float(v) / 1e9, 3) for v in keep_all.mean(axis=1)],
+        "own": [round(float(v) / 1e9, 3) for v in own.mean(axis=1)],
+        "held_for_pair": [round(float(v) / 1e9, 3) for v in held.mean(axis=1)],
+        "device": [round(float(v) / 1e9, 3) for v in (own + held).mean(axis=1)],
+        "device_max": [round(float(v) / 1e9, 3) for v in (own + held).max(axis=1)],
+    }
 
     # all-resident: infinite memory, no copies, every activation kept
     base = sum(step_s)
     out["all_resident"] = {"subnets_per_hour": 3600 * n / base, "step_ms": 1e3 * base / n}
     if ceiling:
-        out["ceiling"] = memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw)
+        out["ceiling"] = memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw,
+                                        peer_link)
     for policy in policies:
         try:
             plans = [plan_residency(ids[s], size, stages[s]["resident"], policy, prefetch_depth=1,
@@ -232,7 +279,7 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
             out[policy] = {"infeasible": str(e), "short_by_bytes": e.short_by}
             continue
         out[policy] = _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd + added / M, send, swap_bytes,
-                              placement, on_host, link_bw, host_update)
+                              placement, on_host, link_bw, host_update, peer_bytes, peer_link)
     for policy in policies:
         if "subnets_per_hour" in out.get(policy, {}):
             out[policy]["over_all_resident"] = out[policy]["subnets_per_hour"] / out["all_resident"]["subnets_per_hour"]
@@ -242,58 +289,106 @@ def run_setting(space: Space, P: int, M: int, oversub: float, placement: str, li
 
 
 def best_arena(quantiles, space: Space, P: int, M: int, oversub: float, placement: str, link_bw: float,
-               host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT, ceiling: bool = False) -> dict:
-    """:func:`run_setting` with the arena quantile whose Belady replay is fastest (one quantile: that
-    one), the others' throughput over all-resident beside it (``arena_quantile_tried``)."""
+               host_update: float, policies=POLICIES, hybrid: HybridCosts = REUSE_NEXT, ceiling: bool = False,
+               peer_link: float | None = None, peer_lends=(1.0,)) -> dict:
+    """:func:`run_setting` with the arena quantile (and, with a peer link, the share a holder
+    lends) whose Belady replay is fastest (one choice: that one), the others' throughput over
+    all-resident beside it (``arena_quantile_tried``, ``peer_lend_tried``)."""
     setting = (space, P, M, oversub, placement, link_bw, host_update)
-    if len(quantiles) == 1:
-        return run_setting(*setting, policies, hybrid, ceiling, arena_quantile=quantiles[0])
+    lends = tuple(peer_lends) if peer_link is not None else (1.0,)
+    combos = [(q, lend) for q in quantiles for lend in lends]
+    if len(combos) == 1:
+        q, lend = combos[0]
+        return run_setting(*setting, policies, hybrid, ceiling, arena_quantile=q, peer_link=peer_link, peer_lend=lend)
     tried = {}
-    for q in quantiles:
-        b = run_setting(*setting, ("belady",), hybrid, arena_quantile=q).get("belady", {})
-        tried[q] = b.get("over_all_resident")  # None: infeasible
-    best = max((q for q in quantiles if tried[q] is not None), key=lambda q: (tried[q], q), default=quantiles[0])
-    out = run_setting(*setting, policies, hybrid, ceiling, arena_quantile=best)
-    out["arena_quantile_tried"] = {str(q): None if v is None else round(v, 4) for q, v in tried.items()}
+    for q, lend in combos:
+        b = run_setting(*setting, ("belady",), hybrid, arena_quantile=q, peer_link=peer_link,
+                        peer_lend=lend).get("belady", {})
+        tried[(q, lend)] = b.get("over_all_resident")  # None: infeasible
+    best = max((c for c in combos if tried[c] is not None), key=lambda c: (tried[c], c), default=combos[0])
+    out = run_setting(*setting, policies, hybrid, ceiling, arena_quantile=best[0], peer_link=peer_link,
+                      peer_lend=best[1])
+    if len(quantiles) > 1:
+        out["arena_quantile_tried"] = {str(q): None if tried[(q, best[1])] is None else round(tried[(q, best[1])], 4)
+                                       for q in quantiles}
+    if peer_link is not None:
+        out["peer_lend"] = best[1]
+        out["peer_lend_tried"] = {str(lend): None if tried.get((best[0], lend)) is None
+                                  else round(tried[(best[0], lend)], 4) for lend in lends}
     return out
 
 
-def memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw) -> dict:
+def memory_ceiling(schedule, F, M, budget, ids, ops, stages, cut, fwd, bwd, send, base, link_bw,
+                   peer_link: float | None = None) -> dict:
     """What no optimizer placement or eviction policy can beat under this split and budget: op
     copies free and instant, and the stage holding, besides the step's gradients and activations,
     only the weights of the ops it computes (4 B/param: nothing fetched ahead, every optimizer
     state away). The activations get the rest of the budget, step by step, with the whole host
     link to themselves (swaps hide behind all of the stage's compute); the activation plan's
-    recompute and exposed swap time is what is left of the all-resident throughput."""
+    recompute and exposed swap time is what is left of the all-resident throughput. With
+    ``peer_link`` the pairs plan together (a holder's room left is its giver's), peer copies
+    hiding behind the stage's compute as swaps do."""
     P, n = fwd.shape
     added = np.zeros((P, n))
-    for s, st in enumerate(stages):
-        for t in range(n):
-            need = sum(ops[o].param_bytes for o in ids[s][t])
-            acts = budget - 2 * need  # the step's weights and their gradients
-            if st["keep"][t] <= acts:
-                continue
-            try:
-                plan = plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], F[s], M, acts, link_bw, M * (fwd[s, t] + bwd[s, t]), cut[s][t], resolution=1 << 20)
-            except ActivationError as e:
-                return {"infeasible": str(e), "short_by_bytes": e.short_by}
-            added[s, t] = plan.added_s
+    allowed = ALL_CHOICES if peer_link is not None else CHOICES
+    for t in range(n):
+        acts = [budget - 2 * sum(ops[o].param_bytes for o in ids[s][t]) for s in range(P)]  # weights and grads
+
+        def plan_one(s: int, allow: tuple[str, ...], capacity: float, t: int = t) -> ActivationPlan:
+            st = stages[s]
+            if st["keep"][t] <= acts[s]:
+                return _kept(ids[s][t], st["keep"][t], acts[s])
+            compute = M * (fwd[s, t] + bwd[s, t])
+            return plan_activations([ops[o] for o in ids[s][t]], st["inputs"][t], F[s], M, acts[s], link_bw, compute,
+                                    cut[s][t], allow, resolution=1 << 20, peer_capacity=capacity,
+                                    peer_bandwidth=peer_link or math.inf, peer_overlap=compute)
+
+        try:
+            plans = pair_plans(P, acts, allowed, plan_one)
+        except ActivationError as e:
+            return {"infeasible": str(e), "short_by_bytes": e.short_by}
+        added[:, t] = [p.added_s for p in plans]
     total = sum(makespan(schedule, fwd[:, t], bwd[:, t] + added[:, t] / M, send) for t in range(n))
     return {"subnets_per_hour": 3600 * n / total, "over_all_resident": base / total,
             "assumes": "op copies free; only the step's weights, gradients and activations on the device; "
                        "the host link carries swaps alone"}
 
 
+def _kept(op_ids, keep: int, budget: float) -> ActivationPlan:
+    """The plan of a stage whose every activation fits: keep them all."""
+    return ActivationPlan(tuple(op_ids), ("keep",) * len(op_ids), int(keep), float(budget), 0.0, 0, 0.0, 0.0)
+
+
+def _peer_copies(schedule, s: int, nbytes: float) -> list[Copy]:
+    """Stage ``s``'s peer copies of one step: micro-batch ``m``'s activations out after its
+    forward, back after the action two before its backward (the buffer of the backward before
+    it is free by then) and before that backward."""
+    row = schedule.actions[s]
+    out = []
+    for i, a in enumerate(row):
+        if a.kind == "F":
+            out.append(Copy(s, "peer_out", nbytes, after=a, label=f"peer out {a.microbatch}"))
+    sent = {c.after.microbatch: k for k, c in enumerate(out)}
+    for i, a in enumerate(row):
+        if a.kind == "B":
+            out.append(Copy(s, "peer_in", nbytes, after=row[i - 2] if i >= 2 else None, before=a,
+                            waits_for=(sent[a.microbatch],), label=f"peer in {a.microbatch}"))
+    return out
+
+
 def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes, placement, on_host, link_bw,
-            host_update) -> dict:
+            host_update, peer_bytes=None, peer_link: float | None = None) -> dict:
     """Replay the steps with the residency plans' copies on the host channels (``on_host[s][t]``:
-    the ops whose update step ``t`` runs on stage ``s``'s host)."""
-    links = HostLinks((link_bw,) * P, (link_bw,) * P, (4 * host_update,) * P)  # host: param bytes/s
+    the ops whose update step ``t`` runs on stage ``s``'s host) and the peer tier's on the peer
+    channels (``peer_bytes[s, t]``: per micro-batch, each way)."""
+    peer = (peer_link,) * P if peer_link is not None else None
+    links = HostLinks((link_bw,) * P, (link_bw,) * P, (4 * host_update,) * P, peer_out=peer, peer_in=peer)
     future = [next_use(ids[s]) for s in range(P)]
-    free = {"h2d": (0.0,) * P, "d2h": (0.0,) * P, "host": (0.0,) * P}
+    channels = ("h2d", "d2h", "host") + (("peer_out", "peer_in") if peer else ())
+    free = {ch: (0.0,) * P for ch in channels}
     host_done: dict[str, float] = {}  # op -> absolute time its last host update ends
     clock = total = stall = 0.0
-    moved = {"h2d": 0.0, "d2h": 0.0}
+    moved = {ch: 0.0 for ch in ("h2d", "d2h", "peer_out") if ch in channels}
     stalls = []
     for t in range(n):
         copies: list[Copy] = []
@@ -319,12 +414,16 @@ def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes
                 copies.append(Copy(s, "d2h", swap_bytes[s, t], ready=0.0, after=first, label="swap out"))
                 copies.append(Copy(s, "h2d", swap_bytes[s, t], ready=0.0, after=first, label="swap in"))
             copies.extend(fetch(op, None, t + 1) for op in st.prefetch)
+            if peer_bytes is not None and peer_bytes[s, t]:
+                base = len(copies)
+                copies.extend(dataclasses.replace(c, waits_for=tuple(base + w for w in c.waits_for))
+                              for c in _peer_copies(schedule, s, float(peer_bytes[s, t])))
             # ops updated on the host, soonest needed first: grads down after the last backward,
             # then the host's update (the next use's fetch waits for it)
             for op in sorted(st.dropped, key=lambda o: (future[s].after(o, t + 1), o)):
                 copies.append(Copy(s, "d2h", ops[op].param_bytes, after=last, label="grads"))
                 copies.append(Copy(s, "host", ops[op].param_bytes, waits_for=(len(copies) - 1,), label=op))
-        links = HostLinks(links.h2d, links.d2h, links.host, free["h2d"], free["d2h"], free["host"])
+        links = dataclasses.replace(links, **{f"{ch}_free_at": free[ch] for ch in channels})
         r = simulate(schedule, fwd[:, t], bwd[:, t], send, copies=copies, links=links)
         for cs in r.copies:
             if cs.copy.channel in moved:
@@ -333,7 +432,7 @@ def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes
                 host_done[cs.copy.label] = clock + cs.end
         stalls.append(max(r.stall))
         stall += sum(r.stall)
-        free = {ch: tuple(f - r.step_time for f in r.free_at[ch]) for ch in r.free_at}
+        free = {ch: tuple(f - r.step_time for f in r.free_at[ch]) for ch in channels}
         clock += r.step_time
         total += r.step_time
     plan_hits = sum(p.hits for p in plans)
@@ -347,6 +446,33 @@ def _replay(schedule, P, M, n, ids, ops, size, plans, fwd, bwd, send, swap_bytes
         "stall_ms_per_step_max_stage": 1e3 * float(np.mean(stalls)),
         "stall_ms_per_step_all_stages": 1e3 * stall / n,
         "peak_resident_GB": max(p.peak_bytes for p in plans) / 1e9,
+    }
+
+
+def peer_line(host: dict, peer: dict, target: float = 0.90) -> dict:
+    """The ``vtm_peer`` line of one setting: Belady over all-resident without and with the peer
+    tier (the row without it is the baseline, same run), the ceilings, and the activation memory
+    per stage before (without) and after (with; what a stage holds for its pair included)."""
+    def fig(r: dict, key: str) -> float | None:
+        return r.get(key, {}).get("over_all_resident")
+
+    before, after = fig(host, "belady"), fig(peer, "belady")
+    return {
+        "bench": "vtm_peer", **{k: host[k] for k in ("sampler", "order", "P", "M", "tokens_per_step",
+                                                     "oversubscription", "placement", "host_link_GBps")},
+        "peer_link_GBps": peer["peer_link_GBps"], "belady_over_all_resident": {"host": before, "host+peer": after},
+        "gain": None if before is None or after is None else after - before,
+        "never_below": None if before is None or after is None else after >= before - 1e-9,
+        "ceiling_over_all_resident": {"host": fig(host, "ceiling"), "host+peer": fig(peer, "ceiling")},
+        "target": target, "target_met": None if after is None else after >= target,
+        "activations": {"host": host.get("activations"), "host+peer": peer.get("activations")},
+        "activation_profile_GB": {"keep_all": host.get("activation_profile_GB", {}).get("keep_all"),
+                                  "before": host.get("activation_profile_GB", {}).get("device"),
+                                  "after": peer.get("activation_profile_GB", {}).get("device"),
+                                  "after_held_for_pair": peer.get("activation_profile_GB", {}).get("held_for_pair")},
+        "lent_GB": [st.get("lend") for st in peer.get("stage_memory_GB", [])],
+        "peer_lend": peer.get("peer_lend"), "peer_lend_tried": peer.get("peer_lend_tried"),
+        "baseline": "the same setting without the peer tier, same run",
     }
 
 
@@ -405,6 +531,14 @@ def main() -> None:
     ap.add_argument("--arena-quantiles", type=float, nargs="+", default=[1.0],
                     help="size each stage's arena at these quantiles of its two-step op state (run_setting's "
                          "arena_quantile); with several, each is replayed under Belady and the fastest kept")
+    ap.add_argument("--peer-links", type=float, nargs="*", default=[],
+                    help="peer link bytes/s each way (issue 26): each setting runs again with the activation "
+                         "planner's peer tier at each, beside the row without it")
+    ap.add_argument("--peer-lends", type=float, nargs="+", default=[1.0, 0.5, 0.0],
+                    help="with a peer link: the shares of its room beyond two steps' op state a holding stage "
+                         "lends its pair; each is replayed under Belady and the fastest kept")
+    ap.add_argument("--peer-target", type=float, default=0.90,
+                    help="the Belady/all-resident figure the peer rows are checked against at 8x")
     ap.add_argument("--ceiling", action="store_true",
                     help="also the memory ceiling per setting (memory_ceiling: copies free, only the step's "
                          "weights, gradients and activations on the device)")
@@ -433,28 +567,38 @@ def main() -> None:
             policies = POLICIES if nas and first else ("on_demand", "belady") if nas else ("belady",)
             runs += [(P, o, pl, link_bw, M, policies) for P in args.stages for o in args.oversub
                      for pl in args.placements]
-    rows = []
+    rows, pairs = [], []
     for (sampler, order), space in spaces.items():
         for P, oversub, placement, link_bw, M, policies in runs:
-            t1 = time.perf_counter()
-            res = best_arena(args.arena_quantiles, space, P, M, oversub, placement, link_bw, args.host_update,
-                             policies, reuse_rule(args.hybrid_gap), ceiling=args.ceiling)
-            b = res.get("belady", {})
-            progress(f"{sampler}/{order} P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M}: "
-                     f"{time.perf_counter() - t1:.1f} s, belady/all-resident {b.get('over_all_resident', float('nan')):.3f}, "
-                     f"/on-demand {b.get('over_on_demand', float('nan')):.3f}")
-            rows.append({
-                "bench": "vtm", "mode": args.mode, "sampler": sampler, "order": order, "P": P, "M": M,
-                "tokens_per_step": M * CFG["microbatch"] * CFG["sample_shape"][0],
-                "naspipe_batch": M in args.naspipe_microbatches,
-                "oversubscription": oversub, "placement": placement, "host_link_GBps": link_bw / 1e9,
-                "flops_per_s": args.flops, "hbm_bytes_per_s": args.hbm, "overhead_s": args.overhead,
-                "host_update_params_per_s": args.host_update, "subnets": args.subnets, "seed": args.seed,
-                "schedule": SCHEDULE, **res,
-                "baseline": "all_resident (infinite memory), on_demand and lru, same run",
-            })
+            tier_rows = []
+            for peer_link in [None, *args.peer_links]:
+                t1 = time.perf_counter()
+                res = best_arena(args.arena_quantiles, space, P, M, oversub, placement, link_bw, args.host_update,
+                                 policies, reuse_rule(args.hybrid_gap), ceiling=args.ceiling, peer_link=peer_link,
+                                 peer_lends=args.peer_lends)
+                b = res.get("belady", {})
+                tier = "host" if peer_link is None else f"host+peer {peer_link / 1e9:g} GB/s"
+                progress(f"{sampler}/{order} P={P} x{oversub:g} {placement} {link_bw / 1e9:g} GB/s M={M} {tier}: "
+                         f"{time.perf_counter() - t1:.1f} s, belady/all-resident "
+                         f"{b.get('over_all_resident', float('nan')):.3f}, "
+                         f"/on-demand {b.get('over_on_demand', float('nan')):.3f}")
+                tier_rows.append({
+                    "bench": "vtm", "mode": args.mode, "sampler": sampler, "order": order, "P": P, "M": M,
+                    "tokens_per_step": M * CFG["microbatch"] * CFG["sample_shape"][0],
+                    "naspipe_batch": M in args.naspipe_microbatches,
+                    "oversubscription": oversub, "placement": placement, "host_link_GBps": link_bw / 1e9,
+                    "peer_link_GBps": None if peer_link is None else peer_link / 1e9,
+                    "flops_per_s": args.flops, "hbm_bytes_per_s": args.hbm, "overhead_s": args.overhead,
+                    "host_update_params_per_s": args.host_update, "subnets": args.subnets, "seed": args.seed,
+                    "schedule": SCHEDULE, **res,
+                    "baseline": "all_resident (infinite memory), on_demand and lru, same run",
+                })
+            rows += tier_rows
+            pairs += [peer_line(tier_rows[0], r, args.peer_target) for r in tier_rows[1:]]
     rows += hide_threshold([r for r in rows if r["host_link_GBps"] == args.links[0] / 1e9
+                            and r["peer_link_GBps"] is None
                             and (r["sampler"], r["order"]) == (args.samplers[0], args.orders[0])])
+    rows += pairs
     progress(f"total {time.perf_counter() - t0:.0f} s")
     emit("vtm", rows)
 

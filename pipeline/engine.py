@@ -201,12 +201,14 @@ def update(tensors, op_ids: Sequence[str], lr: float, microbatch_losses: Sequenc
     return False
 
 
-def activation_policy(choices: Mapping[str, str] | None) -> ActivationPolicy | None:
-    """The policy that runs a slice's ops under ``choices`` (op id -> keep | swap | recompute,
-    what :meth:`pipeline.memory.sizing.MemoryModel.activation_choices` planned; None: keep all)."""
+def activation_policy(choices: Mapping[str, str] | None, peer=None) -> ActivationPolicy | None:
+    """The policy that runs a slice's ops under ``choices`` (op id -> keep | swap | recompute |
+    peer, what :meth:`pipeline.memory.sizing.MemoryModel.activation_choices` planned; None: keep
+    all). ``peer``: this stage's side of the peer tier (:class:`pipeline.memory.peer.PeerClient`;
+    None: ``peer`` keeps)."""
     if not choices or all(c == "keep" for c in choices.values()):
         return None
-    return ActivationPolicy(choices)
+    return ActivationPolicy(choices, peer=peer)
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -181,7 +181,7 @@ class PipelineEngine:
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
         # the peer tier (memory.activations peer | auto): stage s hands saved activations to P - 1 - s
         self.peer = (open_peer(me, self.num_stages, self.transport.global_rank, self.device, timeout)
-                     if peer_needed(getattr(memory, "activations", "keep"), self.num_stages, env.world_size) else None)
+                     if peer_needed(memory, self.num_stages, env.world_size) else None)
         self.schedule: Schedule = build_schedule(settings.schedule, self.num_stages, self.local_microbatches)
         validate(self.schedule)
         self.owners = initial_owners(graph.slots(), self.num_stages)

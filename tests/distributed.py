@@ -146,6 +146,9 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         e = engine.evaluate(archs[sc.steps + i], [(xv, yv), (xv.flip(0), yv.flip(0))], [(xc, yc)])
         evals.append([e.loss, e.correct, e.total])
     spans = engine.trace_spans() if sc.trace_steps else None
+    tier = getattr(engine, "peer", None)  # the peer tier: what this rank handed to its pair / held for it
+    peered = tier.client.fetched_bytes if tier is not None and tier.client is not None else 0
+    peer_held = tier.server.peak_bytes if tier is not None and tier.server is not None else 0
     states = engine.op_states()
     if sc.save and states is not None:
         torch.save(states, sc.save)
@@ -153,7 +156,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
-        "swapped": swapped, "recomputed": recomputed, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "arrived": arrived, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "swapped": swapped, "recomputed": recomputed, "peered": peered, "peer_held": peer_held, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "arrived": arrived, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }
@@ -204,7 +207,8 @@ def _worker() -> None:
         dist.all_gather_object(peaks, engine.stats.max_in_flight)
         res["peak_in_flight"] = peaks
         mem: list = [None] * world
-        gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates", "arrived")
+        gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates", "arrived", "peered",
+                    "peer_held")
         dist.all_gather_object(mem, tuple(res[key] for key in gathered))
         for k, key in enumerate(gathered):
             res[key] = [m[k] for m in mem]

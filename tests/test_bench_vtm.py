@@ -95,3 +95,28 @@ def test_a_smaller_arena_quantile_gives_the_activations_more_memory(space) -> No
     assert half["hybrid"]["host_share"] >= full["hybrid"]["host_share"]  # state sent home where a step is over
     with pytest.raises(ValueError, match="arena_quantile"):
         run_setting(space, 4, 16, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), arena_quantile=0.0)
+
+
+def test_the_peer_tier_hands_activations_to_the_paired_stage(space) -> None:
+    """Issue 26: with the peer tier the holders (stages P - 1 - s of the later half) keep what their
+    givers hand them within what they lend; the ceiling never falls; the profile adds up."""
+    P = 8
+    base = run_setting(space, P, 8, 4.0, "hybrid", 25e9, 1.5e9, ("belady",), ceiling=True)
+    peer = run_setting(space, P, 8, 4.0, "hybrid", 25e9, 1.5e9, ("belady",), ceiling=True, peer_link=150e9)
+    assert base["activations"]["peered_share"] == 0.0 and peer["activations"]["peered_share"] > 0
+    assert peer["ceiling"]["over_all_resident"] >= base["ceiling"]["over_all_resident"] - 1e-12
+    prof = peer["activation_profile_GB"]
+    for s in range(P):
+        st = peer["stage_memory_GB"][s]
+        assert prof["device"][s] == pytest.approx(prof["own"][s] + prof["held_for_pair"][s], abs=2e-3)
+        assert prof["device_max"][s] <= st["acts"] + st["lend"] + 1e-3  # within its share and what it lends
+        if s < P // 2:
+            assert prof["held_for_pair"][s] == 0.0 and st["lend"] == 0.0  # givers hold nothing for anyone
+        assert st["grads"] + st["acts"] + st["resident"] + st["lend"] <= peer["budget_per_stage_GB"] + 1e-3
+    assert prof["held_for_pair"][P - 1] > 0
+    assert base["activation_profile_GB"]["held_for_pair"] == [0.0] * P
+    assert peer["belady"]["MB_moved_per_subnet"]["peer_out"] > 0
+    assert "peer_out" not in base["belady"]["MB_moved_per_subnet"]
+    # lending nothing still uses what a holder's own activations leave, and never costs the baseline's keep
+    none = run_setting(space, P, 8, 4.0, "hybrid", 25e9, 1.5e9, ("belady",), peer_link=150e9, peer_lend=0.0)
+    assert [st["resident"] for st in none["stage_memory_GB"]] == [st["resident"] for st in base["stage_memory_GB"]]

@@ -49,8 +49,9 @@ def test_a_budget_that_forces_swaps_trains_the_same_weights(tmp_path: Path) -> N
     ("memory.policy=fifo", "memory.policy: expected one of ['belady', 'lru', 'on_demand'], found 'fifo'"),
     ("+memory.bogus=1", "memory.bogus: unknown field"),
     ("memory.activation_budget_bytes=0", "memory.activation_budget_bytes: expected a positive integer"),
-    ("memory.activations=all", "memory.activations: expected one of ['keep', 'swap', 'recompute', 'auto']"),
+    ("memory.activations=all", "memory.activations: expected one of ['keep', 'swap', 'recompute', 'peer', 'auto']"),
     ("memory.host_link_bandwidth=-1", "memory.host_link_bandwidth: expected a positive number"),
+    ("memory.peer_link_bandwidth=0", "memory.peer_link_bandwidth: expected a positive number"),
     ("memory.device_budget_bytes=20000 pipeline.memory_budget_bytes=1e6",
      "pipeline.memory_budget_bytes / memory.device_budget_bytes: found pipeline.memory_budget_bytes 1000000.0"),
 ])

@@ -188,6 +188,31 @@ def test_writeback_then_fetch_and_the_host_update() -> None:
     assert r.stall == (0.0, 0.0) and r.free_at["host"][0] == c[1].end
 
 
+def test_peer_copies_out_after_forward_back_before_backward() -> None:
+    """The peer tier's copies: out on ``peer_out`` after a forward, back on ``peer_in`` before the
+    backward; a slow peer link stalls the backward it feeds, a fast one hides."""
+    from pipeline.plan.simulate import Copy, HostLinks
+    P, M, f, b = 2, 2, 1.0, 2.0
+    sched = one_f_one_b(P, M)
+    base = simulate(sched, [f] * P, [b] * P, [0.0])
+
+    def run(rate: float):
+        copies = []
+        for m in range(M):
+            copies.append(Copy(0, "peer_out", 4.0, after=Action(0, "F", m), label=f"out {m}"))
+            copies.append(Copy(0, "peer_in", 4.0, waits_for=(len(copies) - 1,), before=Action(0, "B", m),
+                               label=f"in {m}"))
+        links = HostLinks((1.0,) * P, (1.0,) * P, peer_out=(rate, 1.0), peer_in=(rate, 1.0))
+        return simulate(sched, [f] * P, [b] * P, [0.0], copies=copies, links=links)
+
+    slow, fast = run(1.0), run(1e9)
+    assert slow.copies[0].start == 1.0 and slow.copies[1].start == slow.copies[0].end == 5.0
+    assert slow.stall[0] > 0 and slow.step_time > base.step_time and slow.free_at["peer_in"][0] > 0
+    assert fast.stall == (0.0, 0.0) and fast.step_time == base.step_time
+    with pytest.raises(SimulationError, match="HostLinks.peer_in is None"):
+        simulate(sched, [f] * P, [b] * P, [0.0], links=_links(P), copies=[Copy(0, "peer_in", 1.0)])
+
+
 def test_copy_errors() -> None:
     from pipeline.plan.simulate import Copy
     sched = gpipe(1, 1)

@@ -35,6 +35,7 @@ Modules, one concern each:
 * :mod:`.state` - the flat op-state format and its byte layout, the digest;
 * :mod:`.optim` - per-op optimizer settings and the one-call step of many ops;
 * :mod:`.sizing` - op footprints, and what the settings mean to the planner;
+* :mod:`.peer` - the peer tier: saved activations handed to the paired stage and back;
 * :mod:`.settings` - :class:`MemorySettings`; :mod:`.stats` - counters and audit;
   :mod:`.errors` - :class:`MemoryBudgetError`, the one text that names the budget (and the
   activation budget's, for the run's pre-check, :mod:`pipeline.feasibility`).

@@ -13,10 +13,13 @@ evict the least recently used op) or ``on_demand`` (no prefetch: fetch synchrono
 evict LRU).
 ``prefetch_depth``: how many future steps the manager fetches ahead (as the budget allows).
 ``max_in_flight``: copies in flight at once. ``activations``: where each op's saved activations
-wait for its backward (``keep``, ``swap``, ``recompute`` for every op, or ``auto``: a keep/swap/
-recompute choice per op, planned with each partition by :mod:`pipeline.plan.activations` so that
-a stage's kept activations fit ``activation_budget_bytes`` at the least added time; swaps are
-priced at ``host_link_bandwidth`` bytes/s each way). ``activation_budget_bytes``: per stage, the
+wait for its backward (``keep``, ``swap``, ``recompute`` for every op; ``peer``: every op of the
+earlier stage of each pair (stage ``s`` with ``P - 1 - s``, BPipe's pairing) hands them to its
+pair, :mod:`pipeline.memory.peer`; or ``auto``: a keep/swap/recompute/peer choice per op, planned
+with each partition by :mod:`pipeline.plan.activations` so that a stage's kept activations, and
+what it holds for its pair, fit ``activation_budget_bytes`` at the least added time; swaps are
+priced at ``host_link_bandwidth`` bytes/s each way, peer copies at ``peer_link_bandwidth``, the
+device-to-device link's, e.g. NVLink). ``activation_budget_bytes``: per stage, the
 device bytes the activations the schedule keeps may take (``null``: no bound, ``auto`` keeps
 everything); it is separate from the arena, as gradients are. ``optimizer``: where the optimizer
 state lives and is updated: ``device`` (it travels with the op and is updated on the device: an
@@ -47,7 +50,7 @@ from ..plan.policy import POLICIES
 __all__ = ["MemorySettings", "HOST_MEMORY", "POLICIES", "ACTIVATIONS", "OPTIMIZER_PLACEMENTS"]
 
 HOST_MEMORY = ("pageable", "pinned", "shared")
-ACTIVATIONS = ("keep", "swap", "recompute", "auto")
+ACTIVATIONS = ("keep", "swap", "recompute", "peer", "auto")
 OPTIMIZER_PLACEMENTS = ("device", "host", "hybrid")
 CPU_COPIES = ("thread", "inline")
 
@@ -65,6 +68,7 @@ class MemorySettings:
     activations: str = "keep"
     activation_budget_bytes: int | None = None
     host_link_bandwidth: float = 25e9
+    peer_link_bandwidth: float = 150e9
     optimizer: str = "hybrid"
     cpu_copies: str = "inline"
 
@@ -114,9 +118,10 @@ class MemorySettings:
         a = self.activation_budget_bytes
         if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a <= 0):
             raise ValueError(f"memory.activation_budget_bytes: expected a positive integer (bytes) or null, found {a!r}")
-        h = self.host_link_bandwidth
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < float("inf"):
-            raise ValueError(f"memory.host_link_bandwidth: expected a positive number (bytes/s), found {h!r}")
+        for name in ("host_link_bandwidth", "peer_link_bandwidth"):
+            h = getattr(self, name)
+            if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h < float("inf"):
+                raise ValueError(f"memory.{name}: expected a positive number (bytes/s), found {h!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"memory.activations: expected one of {list(ACTIVATIONS)}, found {self.activations!r}")
         if self.cpu_copies not in CPU_COPIES:

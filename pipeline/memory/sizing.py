@@ -24,7 +24,8 @@ import torch
 
 from supernet import Arch, OpSpec, SupernetGraph, build_op
 
-from ..plan.activations import ActivationError, stage_activation_floor, stage_activation_plan
+from ..plan.activations import ALL_CHOICES, CHOICES, ActivationError, stage_activation_floor, stage_activation_plan
+from ..plan.pairs import gives, pair_plans
 from ..plan.partition import ManagedMemory, Partition, PartitionProblem
 from .errors import MemoryBudgetError, budget_error
 from .optim import OptimConfig
@@ -119,27 +120,36 @@ class MemoryModel:
 
     def activation_choices(self, problem: PartitionProblem,
                            bounds: Sequence[int]) -> tuple[Mapping[str, str], ...] | None:
-        """Per stage, op id -> ``keep`` | ``swap`` | ``recompute`` under ``memory.activations``
-        (None: every op keeps, the default). ``auto`` plans each stage against ``memory.
-        activation_budget_bytes``; a stage no plan fits raises naming that field and the shortfall."""
+        """Per stage, op id -> ``keep`` | ``swap`` | ``recompute`` | ``peer`` under ``memory.
+        activations`` (None: every op keeps, the default). ``peer``: every op of a giving stage
+        (the earlier of each pair) goes to its pair, the others keep. ``auto`` plans each stage
+        against ``memory.activation_budget_bytes``, pairs together (a holder first, its room left
+        its giver's: :func:`~pipeline.plan.pairs.pair_plans`); a stage no plan fits raises
+        naming that field and the shortfall."""
         mode = self.settings.activations
         if mode == "keep":
             return None
         P = problem.num_stages
+        if mode == "peer":
+            return tuple({op.op_id: "peer" if gives(s, P) else "keep" for op in problem.ops[bounds[s]:bounds[s + 1]]}
+                         for s in range(P))
         if mode != "auto":
             return tuple({op.op_id: mode for op in problem.ops[bounds[s]:bounds[s + 1]]} for s in range(P))
         budget = self.settings.activation_budget_bytes
-        choices = []
-        for s in range(P):
+        limit = math.inf if budget is None else float(budget)
+
+        def plan(s: int, allowed: tuple[str, ...], capacity: float):
             try:
-                plan = stage_activation_plan(problem, bounds, s, math.inf if budget is None else float(budget),
-                                             self.settings.host_link_bandwidth)
+                return stage_activation_plan(problem, bounds, s, limit, self.settings.host_link_bandwidth,
+                                             allowed=allowed, peer_capacity=capacity,
+                                             peer_bandwidth=self.settings.peer_link_bandwidth)
             except ActivationError as e:
                 raise ActivationError(f"memory.activation_budget_bytes: stage {s} of the split {tuple(bounds)} "
                                       f"cannot keep its activations within {budget} bytes: {e}",
                                       short_by=e.short_by) from None
-            choices.append(plan.choice())
-        return tuple(choices)
+
+        plans = pair_plans(P, (limit,) * P, ALL_CHOICES if P > 1 else CHOICES, plan)
+        return tuple(p.choice() for p in plans)
 
 
 def check_fits(model: MemoryModel, part: Partition, what: str) -> None:

@@ -30,6 +30,9 @@ Model (pure; values in, values out):
   ``waits_for``, and takes ``nbytes / rate``. An action that a copy must precede (``before``)
   waits for it: that wait is the stage's *stall*, and it shifts everything after it. Channels
   start free at ``HostLinks.*_free_at`` (a previous step's backlog, on this step's clock).
+  The peer link (:mod:`pipeline.plan.activations`' peer tier) is two more channels of the giving
+  stage, ``peer_out`` (activations to its paired stage after a forward) and ``peer_in`` (back
+  before the backward), at ``HostLinks.peer_out`` / ``peer_in`` bytes/s.
 
 One event loop (:class:`Clock`) times everything: stages, links and host channels are FIFO
 resources, and each action or copy starts when its resource is free and its inputs are there.
@@ -68,7 +71,7 @@ if TYPE_CHECKING:
 __all__ = ["Span", "SimResult", "SimulationError", "Copy", "CopySpan", "HostLinks", "CHANNELS", "makespan",
            "simulate"]
 
-CHANNELS = ("h2d", "d2h", "host")
+CHANNELS = ("h2d", "d2h", "host", "peer_out", "peer_in")
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class SimResult:
 
 @dataclass(frozen=True)
 class Copy:
-    """One job on a stage's host channel (``channel``: ``h2d``, ``d2h`` or ``host``).
+    """One job on a stage's channel (``channel``: ``h2d``, ``d2h``, ``host``, ``peer_out`` or ``peer_in``).
 
     ``ready``: earliest start on the step's clock (negative: issued during the step before).
     ``after``: an action of this step the copy follows (a write-back of grads after the last
@@ -129,9 +132,9 @@ class CopySpan:
 
 @dataclass(frozen=True)
 class HostLinks:
-    """Per stage: the host link's rate each way (bytes/s) and the host's update rate (bytes of
-    parameters per second; None: no host work). ``*_free_at``: when each channel is next free on
-    the step's clock (default: free)."""
+    """Per stage: the host link's rate each way (bytes/s), the host's update rate (bytes of
+    parameters per second; None: no host work) and the peer link's rate each way (None: no peer
+    link). ``*_free_at``: when each channel is next free on the step's clock (default: free)."""
 
     h2d: tuple[float, ...]
     d2h: tuple[float, ...]
@@ -139,12 +142,17 @@ class HostLinks:
     h2d_free_at: tuple[float, ...] | None = None
     d2h_free_at: tuple[float, ...] | None = None
     host_free_at: tuple[float, ...] | None = None
+    peer_out: tuple[float, ...] | None = None
+    peer_in: tuple[float, ...] | None = None
+    peer_out_free_at: tuple[float, ...] | None = None
+    peer_in_free_at: tuple[float, ...] | None = None
 
     def rate(self, channel: str, stage: int) -> float:
-        rates = {"h2d": self.h2d, "d2h": self.d2h, "host": self.host}[channel]
+        rates = getattr(self, channel)
         if rates is None:
-            raise SimulationError(f"copy on channel {channel!r} of stage {stage}: HostLinks.host is None; "
-                                  "expected a host update rate per stage")
+            what = "a host update rate" if channel == "host" else "a peer link rate"
+            raise SimulationError(f"copy on channel {channel!r} of stage {stage}: HostLinks.{channel} is None; "
+                                  f"expected {what} per stage")
         return rates[stage]
 
 
@@ -325,11 +333,11 @@ def _check_copies(schedule: Schedule, copies: Sequence[Copy], links: HostLinks |
     P = schedule.num_stages
     if not isinstance(links, HostLinks):
         raise SimulationError(f"links: expected HostLinks with copies, found {links!r}")
-    for name in ("h2d", "d2h", "host", "h2d_free_at", "d2h_free_at", "host_free_at"):
+    for name in (*CHANNELS, *(f"{ch}_free_at" for ch in CHANNELS)):
         v = getattr(links, name)
         if v is not None and len(v) != P:
             raise SimulationError(f"HostLinks.{name}: expected {P} values (one per stage), found {len(v)}")
-    for name in ("h2d", "d2h", "host"):
+    for name in CHANNELS:
         for k, r in enumerate(getattr(links, name) or ()):
             if not r > 0:
                 raise SimulationError(f"HostLinks.{name}[{k}]: expected a positive rate (bytes/s), found {r}")
