@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -168,7 +169,15 @@ def _protocol_worker(rendezvous: str, rank: int, mode: str) -> None:
         out["last"] = torch.equal(c.get(last), torch.arange(4.0)) and not c._orphans
         if mode == "holder-dies":
             h = c.put(torch.ones(5), group="mb2")
-            dist.barrier()  # rank 1 exits after this
+            dist.barrier()  # rank 1 exits after this: ask only once it is gone (else it may still answer)
+            stat = Path(f"/proc/{int((Path(rendezvous).parent / 'holder.pid').read_text())}/stat")
+            while True:  # gone, or a zombie its parent has not reaped yet
+                try:
+                    if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+                except FileNotFoundError:
+                    break
+                time.sleep(0.01)
             try:
                 c.get(h)
                 out["error"] = None
@@ -183,6 +192,7 @@ def _protocol_worker(rendezvous: str, rank: int, mode: str) -> None:
         tier.close()
     else:
         if mode == "holder-dies":
+            (Path(rendezvous).parent / "holder.pid").write_text(str(os.getpid()))
             dist.barrier()
             os._exit(0)
         if mode == "giver-dies":
