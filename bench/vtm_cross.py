@@ -66,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench._spawn import emit, progress  # noqa: E402
 from bench.cross_subnet import SETTING, Space, build_space, choose, plan_stream  # noqa: E402
-from pipeline.plan.activations import ActivationError, min_activation_memory, plan_activations  # noqa: E402
+from pipeline.plan.activations import CHOICES, PEER, ActivationError, min_activation_memory, plan_activations  # noqa: E402
+from pipeline.plan.pairs import gives, pair_of  # noqa: E402
 from pipeline.plan.admission import ArenaBound, SubnetWork, cross_subnet, in_flight_bound  # noqa: E402
 from pipeline.plan.schedule import Action  # noqa: E402
 from pipeline.plan.simulate import HostLinks, simulate  # noqa: E402
@@ -96,10 +97,14 @@ class Stream:
         return simulate(sched, work=work, state_time=self.state_time, copies=copies, links=links)
 
 
-def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: float, link_bw: float) -> dict:
+def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: float, link_bw: float,
+                 peer_bw: float | None = None) -> dict:
     """Per stage: the budget, the activations' and the arena's shares, and each subnet's
     activation plan (added backward seconds, swapped bytes) under it; ``infeasible`` when the
-    arena cannot hold a lone subnet or the activations their floor."""
+    arena cannot hold a lone subnet or the activations their floor. ``peer_bw``: the peer tier
+    (issue 26, BPipe's pairs s and P - 1 - s) over a link of that many bytes/s each way: a
+    holding stage gives its activations all the room the arena's share leaves (not only what its
+    own need), and what its own plan leaves of it is what its giver may hand it."""
     space, P, M = stream.space, stream.P, stream.M
     ops, out_bytes = space.table.ops, space.table.out_bytes
     state = {op: c.param_bytes + c.optim_bytes for op, c in ops.items()}  # device placement: travels whole
@@ -111,8 +116,11 @@ def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: flo
     ratio = max(grads[op] / state[op] for op in stream.space.stateful if state[op])
     out: dict = {"budget": budget, "state": state, "grads": grads, "capacity": [], "acts": [], "grads_reserve": [],
                  "added": [[0.0] * T for _ in range(P)], "swap": [[0.0] * T for _ in range(P)],
-                 "recomputed": 0, "swapped": 0, "op_uses": 0}
-    for s in range(P):
+                 "peer": [[0.0] * T for _ in range(P)], "held_for_pair": [0.0] * P,
+                 "recomputed": 0, "swapped": 0, "peered": 0, "op_uses": 0, "peer_bw": peer_bw}
+    spare: dict[tuple[int, int], float] = {}  # (holder, subnet) -> bytes its plan leaves its giver
+    holders_first = sorted(range(P), key=lambda s: (gives(s, P), s)) if peer_bw else range(P)
+    for s in holders_first:
         per = []
         for t, (active, b) in enumerate(zip(stream.actives, stream.bounds)):
             mine = active[b[s]:b[s + 1]]
@@ -133,7 +141,9 @@ def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: flo
 
         goal = arena_subnets * largest
         goal_rest = goal + min(most_grads, ratio * goal)
-        acts = max(min(max(p[4] for p in per), budget - goal_rest), max(p[5] for p in per))
+        holds = peer_bw is not None and gives(pair_of(s, P), P)
+        own_need = budget - goal_rest if holds else max(p[4] for p in per)  # a holder lends the rest
+        acts = max(min(own_need, budget - goal_rest), max(p[5] for p in per))
         capacity = int(arena_of(budget - acts))
         out["grads_reserve"].append(budget - acts - capacity)
         if capacity < largest:
@@ -141,21 +151,34 @@ def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: flo
                                           f"subnet ({largest / 1e9:.2f} GB) beside the activations' floor"}
         out["capacity"].append(capacity)
         out["acts"].append(acts)
+        giver = peer_bw is not None and gives(s, P)
         for t, (costs, inputs, cut, pinned, keep, floor) in enumerate(per):
             out["op_uses"] += len(costs)
             if keep <= acts:
+                spare[(s, t)] = acts - keep
                 continue
             w = stream.work[t]
             compute = M * (w.fwd[s] + w.bwd[s])
             fetch = sum(state[o] for o in w.uses[s]) / link_bw
+            peer = dict(allowed=CHOICES, peer_capacity=spare.get((pair_of(s, P), t), 0.0), peer_bandwidth=peer_bw,
+                        peer_overlap=compute) if giver else dict(allowed=tuple(c for c in CHOICES if c != PEER))
             try:
                 plan = plan_activations(costs, inputs, F[s], M, acts, link_bw, max(0.0, compute - fetch), cut,
-                                        resolution=1 << 20)
+                                        resolution=1 << 20, **peer)
             except ActivationError as e:
                 return {**out, "infeasible": str(e)}
-            out["added"][s][t], out["swap"][s][t] = plan.added_s, plan.swap_bytes
+            spare[(s, t)] = acts - plan.memory
+            out["added"][s][t], out["swap"][s][t], out["peer"][s][t] = plan.added_s, plan.swap_bytes, plan.peer_bytes
+            if giver and plan.peer_held:
+                r = pair_of(s, P)
+                out["held_for_pair"][r] = max(out["held_for_pair"][r], plan.peer_held)
             out["recomputed"] += plan.choices.count("recompute")
             out["swapped"] += plan.choices.count("swap")
+            out["peered"] += plan.choices.count(PEER)
+    if peer_bw is not None:  # back in stage order
+        order = list(holders_first)
+        for key in ("capacity", "acts", "grads_reserve"):
+            out[key] = [v for _, v in sorted(zip(order, out[key]))]
     return out
 
 
@@ -220,10 +243,15 @@ def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: in
     P, T = stream.P, len(stream.work)
     plans = [plan_stage(sched, s, split["state"], split["capacity"][s], v.policy, depth_of(v.depth, window), v.adopt,
                         v.horizon == "past") for s in range(P)]
-    more = {Action(s, "F", 0, t): (("d2h", n), ("h2d", n))  # activations out in the forwards, back for the backwards
-            for s in range(P) for t in range(T) if (n := split["swap"][s][t])}
+    # activations out in the forwards, back for the backwards: swaps on the host link, the peer
+    # tier's on the peer link
+    more = {Action(s, "F", 0, t): (("d2h", split["swap"][s][t]), ("h2d", split["swap"][s][t]),
+                                   ("peer_out", split["peer"][s][t]), ("peer_in", split["peer"][s][t]))
+            for s in range(P) for t in range(T) if split["swap"][s][t] or split["peer"][s][t]}
     copies = residency_copies(sched, plans, more=more, duplex=v.streams == 2)
-    r = stream.replay(sched, work, copies, HostLinks((link_bw,) * P, (link_bw,) * P, (1.0,) * P))
+    peer = (split["peer_bw"],) * P if split["peer_bw"] else None
+    r = stream.replay(sched, work, copies, HostLinks((link_bw,) * P, (link_bw,) * P, (1.0,) * P, peer_out=peer,
+                                                     peer_in=peer))
     on = {"h2d": 0.0, "d2h": 0.0}
     for c in copies:
         if c.channel in on:
@@ -251,7 +279,8 @@ def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: in
 
 
 def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, arena_subnets: Sequence[float],
-                variants: Sequence[Variant] = RUNTIME_VARIANTS, base: dict | None = None) -> dict:
+                variants: Sequence[Variant] = RUNTIME_VARIANTS, base: dict | None = None,
+                peer_bw: float | None = None) -> dict:
     """Every variant at one (window, over-subscription), with the arena size that is fastest under
     the first variant; the figures of one JSON line per variant (``rows``)."""
     P = stream.P
@@ -259,7 +288,7 @@ def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, are
         base = baseline(stream, window)
     tried, best = {}, None
     for k in arena_subnets:
-        split = memory_split(stream, window, oversub, k, link_bw)
+        split = memory_split(stream, window, oversub, k, link_bw, peer_bw)
         if "infeasible" in split:
             tried[str(k)] = {"infeasible": split["infeasible"]}
             continue
@@ -274,7 +303,7 @@ def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, are
         if best is None or b["over_all_resident"] > best[0]:
             best = (b["over_all_resident"], k, split, work, sched)
     common = {"window": window, "delay": window - 1, "oversubscription": oversub, "host_link_GBps": link_bw / 1e9,
-              "all_resident": base, "arena_tried": tried}
+              "peer_link_GBps": peer_bw / 1e9 if peer_bw else None, "all_resident": base, "arena_tried": tried}
     if best is None:
         return {**common, "infeasible": True}
     _, k, split, work, sched = best
@@ -290,6 +319,8 @@ def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, are
                                     for s in range(P)],
         "recomputed_share": split["recomputed"] / split["op_uses"],
         "swapped_share": split["swapped"] / split["op_uses"],
+        "peered_share": split["peered"] / split["op_uses"],
+        "held_for_pair_GB": [round(h / 1e9, 3) for h in split["held_for_pair"]],
         "moves_per_subnet": len(sched.rule.moves()) / len(stream.work),
         "subnets_in_flight_mean": [round(m, 2) for m, _ in inflight], "subnets_in_flight_max": [x for _, x in inflight],
         "acts_only_over_all_resident": base["makespan_s"] / acts_only.step_time,
@@ -323,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-what-ifs", action="store_true",
                     help="only what the runtime does now (not the runtime before fb3ab5a beside it)")
     ap.add_argument("--links", type=float, nargs="+", default=[25e9], help="host link bytes/s each way, per stage")
+    ap.add_argument("--peer-links", type=float, nargs="*", default=[],
+                    help="also run with the peer tier (issue 26) over a peer link of these bytes/s each way")
     args = ap.parse_args(argv)
     P = args.stages
     variants = RUNTIME_VARIANTS + (() if args.no_what_ifs else WHAT_IFS)
@@ -346,9 +379,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "issue15_window": picked["window"], "subnets": args.subnets, "seed": args.seed,
                     "space": "transformer naspipe 48x24", "costs": "analytic", "rates": SETTING["rates"],
                     "baseline": "all-resident cross-subnet schedule, same subnets and window, same run"}
-            for link_bw, oversub, window in product(args.links, args.oversub, windows):
+            for link_bw, peer_bw, oversub, window in product(args.links, [None, *args.peer_links], args.oversub,
+                                                              windows):
                 t1 = time.perf_counter()
-                res = run_setting(stream, window, oversub, link_bw, args.arena_subnets, variants, bases[window])
+                res = run_setting(stream, window, oversub, link_bw, args.arena_subnets, variants, bases[window],
+                                  peer_bw)
                 body = {k: v for k, v in res.items() if k != "rows"}
                 if "rows" not in res:
                     rows.append({**head, **body})
@@ -359,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     rows.append({**head, "policy": v.policy, "prefetch_depth": v.depth,
                                  "prefetch_depth_resolved": depth_of(v.depth, window), "copy_streams": v.streams,
                                  "adopt": v.adopt, "horizon": v.horizon, "runtime": v.runtime, **body, **fig})
-                progress(f"{opt} M={M} x{oversub:g} w={window} {link_bw / 1e9:g} GB/s: "
+                progress(f"{opt} M={M} x{oversub:g} w={window} {link_bw / 1e9:g} GB/s"
+                         f"{f' peer {peer_bw / 1e9:g} GB/s' if peer_bw else ''}: "
                          f"{time.perf_counter() - t1:.0f} s, arena x{res['arena_subnets']:g}, "
                          f"acts only {res['acts_only_over_all_resident']:.3f}, "
                          f"bound {res['bound_no_copies_over_all_resident']:.3f}; " +
@@ -377,16 +413,19 @@ def verdicts(rows: Sequence[dict], P: int) -> list[dict]:
     if P != 4 or not rows:
         return out
     link = rows[0]["host_link_GBps"]
-    for opt, (oversub, goal), runtime in product(sorted({r["optimizer"] for r in rows}), TARGETS.items(),
-                                                 (True, False)):
+    peers = sorted({r.get("peer_link_GBps") for r in rows}, key=lambda g: (g is not None, g or 0.0))
+    for opt, (oversub, goal), runtime, peer in product(sorted({r["optimizer"] for r in rows}), TARGETS.items(),
+                                                       (True, False), peers):
         cand = [r for r in rows if r["optimizer"] == opt and r["oversubscription"] == oversub and r["M"] == 4
-                and r.get("policy") == "belady" and r.get("runtime") == runtime and r["host_link_GBps"] == link]
+                and r.get("policy") == "belady" and r.get("runtime") == runtime and r["host_link_GBps"] == link
+                and r.get("peer_link_GBps") == peer]
         if not cand:
             continue
         r = max(cand, key=lambda r: r["over_best_all_resident"])
-        out.append({"bench": "vtm_cross_verdict", "optimizer": opt, "host_link_GBps": link,
+        tier = f" with the peer tier ({peer:g} GB/s)" if peer else ""
+        out.append({"bench": "vtm_cross_verdict", "optimizer": opt, "host_link_GBps": link, "peer_link_GBps": peer,
                     "what": f">= {goal}x all-resident at {oversub:g}x over-subscription, P={P}, M=4",
-                    "as": "the runtime" if runtime else "the runtime before fb3ab5a",
+                    "as": ("the runtime" if runtime else "the runtime before fb3ab5a") + tier,
                     "figure": r["over_best_all_resident"], "same_window_figure": r["over_all_resident"],
                     "met": r["over_best_all_resident"] >= goal, "window": r["window"],
                     "prefetch_depth": r["prefetch_depth"], "copy_streams": r["copy_streams"], "adopt": r["adopt"],

@@ -88,3 +88,13 @@ def test_an_arena_too_small_for_one_subnet_is_reported(stream: Stream) -> None:
     assert "infeasible" in split
     res = run_setting(stream, 2, 1e4, 25e9, [2.0], RUNTIME_VARIANTS)
     assert res["infeasible"] is True and "infeasible" in res["arena_tried"]["2.0"]
+
+
+def test_the_peer_tier_lends_the_holders_room_to_their_givers(stream: Stream) -> None:
+    # P = 2: stage 1 holds for stage 0; only a giver peers and only a holder holds for its pair
+    res = run_setting(stream, 2, 4.0, 25e9 / 1e4, [2.0], RUNTIME_VARIANTS[:1], peer_bw=150e9)
+    assert not res.get("infeasible") and res["peer_link_GBps"] == 150.0
+    assert res["held_for_pair_GB"][0] == 0.0 and 0.0 <= res["peered_share"] <= 1.0
+    split = memory_split(stream, 2, 4.0, 2.0, 25e9 / 1e4, 150e9)
+    assert all(p == 0.0 for p in split["peer"][1])  # the holder gives nothing
+    assert split["acts"][1] >= memory_split(stream, 2, 4.0, 2.0, 25e9 / 1e4)["acts"][1]  # it keeps room to lend
