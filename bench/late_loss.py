@@ -8,6 +8,11 @@ them, ``train/default.yaml`` otherwise):
 * ``delayed1``: ``pipeline.shared_ops=delayed pipeline.shared_delay=1 pipeline.window=4``;
 * ``delayed4``: the same with ``pipeline.shared_delay=4``.
 
+``--compensations RULE[:COEF] ...`` adds, for each delayed mode, a run with
+``pipeline.delay_compensation=RULE`` (and ``pipeline.delay_compensation_coef=COEF``): mode
+``delayed1+predict``, ``delayed4+dc:64``, ... (``none`` forces it off whatever the default).
+Plain ``delayed1`` / ``delayed4`` run with the config's default rule.
+
 The late loss is the mean training loss of the last 20 steps (``metrics.jsonl``); a 600-step run
 also reports ``late_at_200``, the mean of its steps 180-199 (the cosine schedule still high there,
 unlike a 200-step run's). A run that stops on a non-finite loss (exit status 1, ``train.nonfinite=stop``)
@@ -18,7 +23,8 @@ Spaces and sizes: ``conv``, ``cell`` and ``resmlp`` at their defaults, ``transfo
 and 8 layers (the size the issue measured). Runs go one at a time with one thread each.
 
     python bench/late_loss.py [--spaces conv cell transformer resmlp] [--steps 200 600]
-                              [--modes exact delayed1 delayed4] [--tag before] [-- extra overrides]
+                              [--modes exact delayed1 delayed4] [--compensations predict dc:64]
+                              [--seed 0] [--tag before] [-- extra overrides]
 
 Prints one JSON line per run as it finishes, and writes them all to
 ``bench/out/late_loss[-<tag>].jsonl`` at the end.
@@ -60,10 +66,22 @@ def mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def mode_overrides(mode: str) -> list[str]:
+    """``delayed1`` or ``delayed1+predict:0.5``: the base mode's overrides and the compensation's."""
+    base, _, comp = mode.partition("+")
+    out = list(MODES[base])
+    if comp:
+        rule, _, coef = comp.partition(":")
+        out.append(f"pipeline.delay_compensation={rule}")
+        if coef:
+            out.append(f"pipeline.delay_compensation_coef={coef}")
+    return out
+
+
 def one_run(space: str, mode: str, steps: int, extra: list[str]) -> dict:
     """One ``python -m search`` run in a fresh directory; its figures as a JSON-able dict."""
-    d = Path(tempfile.mkdtemp(prefix=f"pipenas-late-{space}-{mode}-"))
-    overrides = [*SPACES[space], *MODES[mode], *COMMON, f"train.steps={steps}", *extra]
+    d = Path(tempfile.mkdtemp(prefix=f"pipenas-late-{space}-{mode.replace(':', '_')}-"))
+    overrides = [*SPACES[space], *mode_overrides(mode), *COMMON, f"train.steps={steps}", *extra]
     cmd = [sys.executable, "-m", "search", *overrides, f"output_dir={d}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -94,16 +112,21 @@ def main() -> None:
     ap.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES))
     ap.add_argument("--steps", nargs="+", type=int, default=[200, 600])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--compensations", nargs="*", default=[],
+                    help="RULE[:COEF]: each delayed mode again with pipeline.delay_compensation=RULE")
+    ap.add_argument("--seed", type=int, default=None, help="seed=... for every run (default: the config's)")
     ap.add_argument("--tag", default="", help="suffix of the output file (bench/out/late_loss-<tag>.jsonl)")
     ap.add_argument("extra", nargs="*", help="more overrides for every run (after --)")
     args = ap.parse_args()
 
+    modes = [*args.modes, *(f"{m}+{c}" for m in args.modes if m != "exact" for c in args.compensations)]
+    extra = [*([f"seed={args.seed}"] if args.seed is not None else []), *args.extra]
     rows: list[dict] = []
     for space in args.spaces:
         for steps in args.steps:
             exact = None
-            for mode in args.modes:
-                row = one_run(space, mode, steps, args.extra)
+            for mode in modes:
+                row = one_run(space, mode, steps, extra)
                 if mode == "exact":
                     exact = row["late_loss"]
                 row["ratio"] = (row["late_loss"] / exact if mode != "exact" and exact and row["late_loss"] is not None

@@ -28,6 +28,12 @@ supernet (``--search-seeds`` searches each): each search's pick is trained stand
 its regret is the best stand-alone mean of every arch trained here minus the pick's.
 
     python bench/ranking.py [--supernet-steps 1500] [--search-seeds 5] [--figure docs/ranking.png]
+                            [--shared-ops exact delayed] [--shared-delay 1] [--delay-compensation predict]
+                            [--supernet-seeds 20]
+
+With several supernet seeds, a summary line per setting gives tau's mean with its 95 % interval
+over the seeds (Student's t and a seeded bootstrap) beside the stand-alone ceiling, and with
+exact and delayed together the paired difference delayed - exact per seed, with its interval.
 
 Prints one JSON line per sampler (also written to ``bench/out/ranking.jsonl``).
 """
@@ -110,6 +116,33 @@ def spearman_rho(a: Sequence[float], b: Sequence[float]) -> float:
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
     var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
     return cov / var if var else float("nan")
+
+
+# two-sided 95 % quantiles of Student's t by degrees of freedom (scipy is not a dependency)
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 24: 2.064, 29: 2.045, 39: 2.023, 59: 2.001}
+
+
+def t_interval(xs: Sequence[float]) -> tuple[float, float]:
+    """The 95 % interval of the mean of ``xs`` (Student's t over independent draws: here the
+    supernet seeds); (nan, nan) below two values."""
+    n = len(xs)
+    if n < 2:
+        return float("nan"), float("nan")
+    df = n - 1
+    t = _T975[max(k for k in _T975 if k <= df)]  # the next lower df: a slightly wider interval
+    m, half = statistics.fmean(xs), t * statistics.stdev(xs) / math.sqrt(n)
+    return m - half, m + half
+
+
+def bootstrap_interval(xs: Sequence[float], rounds: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """The 95 % percentile-bootstrap interval of the mean of ``xs`` (seeded resampling)."""
+    if len(xs) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
 
 
 def top_k_regret(supernet: Sequence[float], truth: Sequence[float], k: int) -> float:
@@ -254,7 +287,8 @@ def figures(path: Path, archs: list[dict[str, str]], truth: Truth, results: dict
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.6), sharey=True)
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (sampler, r) in zip(axes, results.items()):
         runs = [truth.of(a) for a in archs]
         mean = [statistics.fmean(v) for v in runs]
@@ -290,7 +324,17 @@ def main() -> None:
                     help="how ops in every subnet are trained (issue 15: delayed reads vs exact); one row each")
     ap.add_argument("--shared-delay", type=int, default=1)
     ap.add_argument("--supernet-seeds", type=int, default=1, help="supernets per setting: tau's noise")
+    ap.add_argument("--delay-compensation", default=None, metavar="RULE[:COEF]",
+                    help="pipeline.delay_compensation for the delayed rows (default: the config's default)")
     args = ap.parse_args()
+    rule, _, coef = (args.delay_compensation or "").partition(":")
+    if args.delay_compensation:
+        compensation = (rule, float(coef) if coef else 1.0)
+    else:
+        from pipeline import PipelineSettings
+
+        default = PipelineSettings()
+        compensation = (default.delay_compensation, default.delay_compensation_coef)
 
     import logging
 
@@ -313,7 +357,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pipenas-ranking-supernet-") as tmp:
         for sampler, mode, seed in itertools.product(args.samplers, args.shared_ops, range(args.supernet_seeds)):
-            pipe = {"shared_ops": mode, "shared_delay": args.shared_delay}
+            pipe = {"shared_ops": mode, "shared_delay": args.shared_delay,
+                    **({"delay_compensation": compensation[0], "delay_compensation_coef": compensation[1]}
+                       if args.delay_compensation else {})}
             label = sampler if (len(args.shared_ops), args.supernet_seeds) == (1, 1) else f"{sampler}/{mode}/seed{seed}"
             progress(f"ranking: supernet {label}, {args.supernet_steps} steps, "
                      f"then {args.search_seeds} evolution and random searches")
@@ -330,6 +376,7 @@ def main() -> None:
         row = {
             "bench": "ranking", "sampler": r["sampler"], "shared_ops": r["shared_ops"],
             "shared_delay": args.shared_delay if r["shared_ops"] == "delayed" else None,
+            "delay_compensation": list(compensation) if r["shared_ops"] == "delayed" else None,
             "supernet_seed": r["supernet_seed"], "space": SPACE, "archs": len(archs), "seeds": len(SEEDS),
             "standalone_steps": STANDALONE["steps"], "supernet_steps": args.supernet_steps,
             "kendall_tau": round(kendall_tau(r["accuracy"], sa), 4),
@@ -358,16 +405,37 @@ def main() -> None:
         by_setting: dict[tuple, list[float]] = {}
         for row in rows:
             by_setting.setdefault((row["sampler"], row["shared_ops"]), []).append(row["kendall_tau"])
+        summaries = []
         for (sampler, mode), taus in by_setting.items():
-            rows.append({"bench": "ranking", "summary": True, "sampler": sampler, "shared_ops": mode,
-                         "shared_delay": args.shared_delay if mode == "delayed" else None,
-                         "kendall_tau_mean": round(statistics.fmean(taus), 4),
-                         "kendall_tau_seeds": taus, "kendall_tau_range": [min(taus), max(taus)]})
+            lo, hi = t_interval(taus)
+            blo, bhi = bootstrap_interval(taus)
+            summaries.append({
+                "bench": "ranking", "summary": True, "sampler": sampler, "shared_ops": mode,
+                "shared_delay": args.shared_delay if mode == "delayed" else None,
+                "delay_compensation": compensation if mode == "delayed" else None,
+                "archs": len(archs), "supernet_seeds": len(taus), "supernet_steps": args.supernet_steps,
+                "kendall_tau_mean": round(statistics.fmean(taus), 4),
+                "kendall_tau_sd": round(statistics.stdev(taus), 4) if len(taus) > 1 else None,
+                "kendall_tau_ci95_t": [round(lo, 4), round(hi, 4)], "ci95_width_t": round(hi - lo, 4),
+                "kendall_tau_ci95_bootstrap": [round(blo, 4), round(bhi, 4)], "ci95_width_bootstrap": round(bhi - blo, 4),
+                "ceiling_tau": rows[0]["ceiling_tau"], "ceiling_tau_pairs": rows[0]["ceiling_tau_pairs"],
+                "kendall_tau_seeds": taus, "kendall_tau_range": [min(taus), max(taus)]})
+        # delayed minus exact on the same supernet seed (same archs, data and subnet stream): paired
+        for sampler in args.samplers:
+            ex, de = by_setting.get((sampler, "exact")), by_setting.get((sampler, "delayed"))
+            if ex and de and len(ex) == len(de) > 1:
+                diff = [d - e for d, e in zip(de, ex)]
+                lo, hi = t_interval(diff)
+                summaries.append({"bench": "ranking", "summary": True, "paired": "delayed - exact", "sampler": sampler,
+                                  "supernet_seeds": len(diff), "tau_difference_mean": round(statistics.fmean(diff), 4),
+                                  "tau_difference_ci95_t": [round(lo, 4), round(hi, 4)],
+                                  "ci95_width_t": round(hi - lo, 4)})
+        rows += summaries
     rows[-1]["wall_s"] = round(time.perf_counter() - t_start, 1)
     rows[-1]["cpu_s"] = round(time.process_time() - cpu_start, 1)
     rows[-1]["loadavg"] = round(os.getloadavg()[0], 2)
     emit("ranking", rows)
-    figures(args.figure, archs, truth, results)
+    figures(args.figure, archs, truth, {k: r for k, r in results.items() if r["supernet_seed"] == 0})  # one panel a setting
     progress(f"ranking: figure {args.figure}")
 
 

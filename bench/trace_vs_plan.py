@@ -14,26 +14,35 @@ send), so nothing is counted twice and the kinds sum to the cycle:
 * ``forward``, ``backward``, ``optimizer``: compute (an action's span minus the waits and sends
   inside it, i.e. the Python of the action included);
 * ``recv_wait``, ``send``: the schedule's messages (a gloo send blocks until the peer takes it);
-* ``migrate`` (``migrate``, ``migrate-ahead``, ``swap``), ``plan``; ``other`` (``reduce`` and
-  any category not listed);
+* ``optimizer``, ``reduce`` (replicated stages: the gradient reduction inside the update);
+* ``migrate`` (``migrate``, ``migrate-ahead``, ``swap``), ``plan``; ``other`` (any category not
+  listed);
 * ``rest``: what no span covers: Python between the spans (the step's set-up, the app's metrics
   and data between steps) and idle time.
 
 Predicted, per step: the plan of the step's subnet, replayed with the same pure planner
-(:class:`pipeline.lookahead.LookaheadPlanner`: same graph, seed, settings, schedule and the
-analytic cost table the run planned with; neither the trace nor ``metrics.jsonl`` records the
-partition bounds) chained from the initial placement over every step before it, is simulated
-(:func:`pipeline.plan.simulate.simulate` with :func:`pipeline.plan.partition.stage_work`):
-per stage ``forward``, ``backward``, ``recv_wait`` (gaps before an action: waiting for its input)
-and ``rest`` (after the stage's last action until the makespan). The replay is checked against
-the run: its number of op moves per step must equal ``metrics.jsonl``'s ``migrated_ops``.
+(:class:`pipeline.lookahead.LookaheadPlanner`: same graph, seed, settings, schedule and what the
+run planned with: its ``costs.json`` when it chose its layout from measured costs, else the
+analytic table; neither the trace nor ``metrics.jsonl`` records the partition bounds) chained
+from the initial placement over every step before it, is simulated as the runtime runs it (a
+flushed step and its update, :func:`pipeline.plan.simulate.simulate`): per stage ``forward``,
+``backward``, ``optimizer`` / ``reduce`` (the update, priced only with runtime costs),
+``recv_wait`` (gaps before an action: waiting for its input) and ``rest`` (after the stage's
+last action until the makespan). Twice: ``predicted_ms``, priced as the run's planner priced it
+(before issue 23: the analytic table alone), and ``predicted_measured_ms``, priced with the
+measured costs (the op profile, :mod:`pipeline.profile`, and the runtime costs of
+:mod:`pipeline.calibrate`: actions, updates, the replicas' reduction, the link; the run's own
+when it recorded them). Replicated stages (R > 1) replay one replica's pipeline on its M / R
+micro-batches. The replay is checked against the run: its number of op moves per step must
+equal ``metrics.jsonl``'s ``migrated_ops``.
 
-One JSON line per stage (medians over the traced steps; medians of parts need not sum to the
+One JSON line per rank (medians over the traced steps; medians of parts need not sum to the
 median cycle), a table on stderr. The baseline is the prediction itself, for the same steps.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -51,10 +60,11 @@ from pipeline.trace import Span, spans_from_chrome  # noqa: E402
 
 __all__ = ["KINDS", "kind_of", "breakdown", "measured", "predicted_breakdown", "replay_plans", "report"]
 
-KINDS = ("forward", "backward", "optimizer", "recv_wait", "send", "migrate", "plan", "other", "rest")
+KINDS = ("forward", "backward", "optimizer", "reduce", "recv_wait", "send", "migrate", "plan", "other", "rest")
 COMPUTE_KINDS = ("forward", "backward", "optimizer")
 _CAT = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "recv-wait": "recv_wait",
-        "send": "send", "migrate": "migrate", "migrate-ahead": "migrate", "swap": "migrate", "plan": "plan"}
+        "send": "send", "migrate": "migrate", "migrate-ahead": "migrate", "swap": "migrate", "plan": "plan",
+        "reduce": "reduce"}
 SCHEDULE_CATS = frozenset({"forward", "backward"})
 
 
@@ -106,20 +116,25 @@ def measured(spans: Sequence[Span]) -> dict[int, dict[int, dict[str, float]]]:
     return out
 
 
-def predicted_breakdown(sim) -> list[dict[str, float]]:
-    """Per stage of a :class:`~pipeline.plan.simulate.SimResult`: forward, backward, the waits
-    before actions (``recv_wait``), ``rest`` after the stage's last action until the makespan,
-    and ``makespan``; the other kinds are 0 (the simulator sends asynchronously, updates and
-    moves are free)."""
+def predicted_breakdown(sim, reduce: Sequence[float] | None = None) -> list[dict[str, float]]:
+    """Per stage of a :class:`~pipeline.plan.simulate.SimResult`: forward, backward, the update
+    (``optimizer``, less ``reduce[s]``, its replica reduction, counted apart), the waits before
+    actions (``recv_wait``), ``rest`` after the stage's last action until the makespan, and
+    ``makespan``; the other kinds are 0 (the simulator sends asynchronously and moves for free)."""
     rows = []
-    for line in sim.timeline:
+    for s, line in enumerate(sim.timeline):
         row = dict.fromkeys(KINDS, 0.0)
         free = 0.0
         for sp in line:
             if sp.end <= sp.start:
-                continue  # an update: no cost in a one-subnet step
+                continue  # an update priced at nothing (the analytic table's)
             row["recv_wait"] += max(0.0, sp.start - free)
-            row["forward" if sp.action.kind == "F" else "backward"] += sp.end - sp.start
+            if sp.action.kind == "U":
+                red = min(reduce[s], sp.end - sp.start) if reduce else 0.0
+                row["reduce"] += red
+                row["optimizer"] += sp.end - sp.start - red
+            else:
+                row["forward" if sp.action.kind == "F" else "backward"] += sp.end - sp.start
             free = sp.end
         row["rest"] = sim.step_time - free
         row["makespan"] = sim.step_time
@@ -127,23 +142,58 @@ def predicted_breakdown(sim) -> list[dict[str, float]]:
     return rows
 
 
+def run_costs(run_dir: Path):
+    """What the run planned with, from its ``costs.json`` (written when its layout was chosen from
+    measured costs): the cost table and the runtime costs; (None, None) without one."""
+    from pipeline.plan.overhead import RuntimeCosts
+    from pipeline.profile import table_from_json
+
+    path = run_dir / "costs.json"
+    if not path.is_file():
+        return None, None
+    d = json.loads(path.read_text())
+    return table_from_json(d["table"]), RuntimeCosts.from_json(d["runtime"])
+
+
+def measured_pricing(run_dir: Path, graph, sample_shape, microbatch: int, optimizer: str, world: int):
+    """The measured costs to price a replay with: the run's own (``costs.json``), else this
+    machine's profile (``pipeline.profile``, cached) and its calibrated runtime costs from the
+    cache (:mod:`pipeline.calibrate`; without one, the link defaults and nothing else)."""
+    from pipeline.calibrate import cached_costs
+    from pipeline.profile import measured_costs
+
+    table, runtime = run_costs(run_dir)
+    if table is None:
+        table = measured_costs(graph, sample_shape, microbatch, optimizer, "cpu")
+    if runtime is None:
+        runtime = cached_costs("cpu", "gloo", world)
+    return table, runtime
+
+
 # -- the plans of the run --------------------------------------------------------------------
 
-def replay_plans(run_dir: Path, steps: Iterable[int]) -> tuple[dict[int, dict], dict]:
+def replay_plans(run_dir: Path, steps: Iterable[int], priced: bool = False) -> tuple[dict[int, dict], dict]:
     """The predicted breakdown per stage of each step in ``steps``, from the run's plans replayed
     (module doc), and what the replay found: ``moves_match`` (steps whose replayed op moves equal
-    ``metrics.jsonl``'s ``migrated_ops``), ``steps_checked``, ``bounds`` per step."""
+    ``metrics.jsonl``'s ``migrated_ops``), ``steps_checked``, ``bounds`` per step. The plans are
+    made with what the run planned with (its ``costs.json``, else the analytic table); they are
+    priced with the same, or with ``priced`` the measured costs (:func:`measured_pricing`: the
+    op profile, the actions, updates, reductions and the link)."""
     import torch
     from omegaconf import OmegaConf
 
     from pipeline.layout import resolve_layout
     from pipeline.lookahead import LookaheadPlanner
     from pipeline.memory.sizing import MemoryModel
+    from pipeline.plan.admission import sequential
+    from pipeline.plan.costs import subnet_problem
+    from pipeline.plan.overhead import subnet_work
     from pipeline.plan.partition import stage_work
     from pipeline.plan.placement import initial_owners
     from pipeline.plan.schedule import build as build_schedule
     from pipeline.plan.simulate import simulate
     from search.config import build_data, build_space, load_config
+    from supernet import cut
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     rc = load_config(cfg)
@@ -153,19 +203,29 @@ def replay_plans(run_dir: Path, steps: Iterable[int]) -> tuple[dict[int, dict], 
     space = graph.space()
     t, ps = rc.train, rc.pipeline
     world = int(summary["world_size"])
-    layout = resolve_layout(ps, rc.memory, world, t.microbatches, graph, t.optimizer.name, data.input_shape,
-                            t.batch_size)
-    if layout.replicas != 1 or ps.cross or rc.memory.virtual:
-        raise TraceReportError(f"{run_dir}: expected one flushed pipeline of {world} stages without a memory "
-                               f"budget, found {layout.stages} stages x {layout.replicas} replicas, window "
-                               f"{ps.window}, shared_ops {ps.shared_ops!r}, memory virtual {rc.memory.virtual}; "
-                               "this report replays only that case")
-    P, M = layout.stages, t.microbatches
+    ran = summary.get("layout") or {}
+    if ran.get("stages"):
+        P, R, W = int(ran["stages"]), int(ran["replicas"]), ran.get("window") or ps.window
+    else:
+        layout = resolve_layout(ps, rc.memory, world, t.microbatches, graph, t.optimizer.name, data.input_shape,
+                                t.batch_size)
+        P, R, W = layout.stages, layout.replicas, ps.window
+    if W != 1 or ps.shared_ops != "exact" or rc.memory.virtual:
+        raise TraceReportError(f"{run_dir}: expected flushed steps (window 1, exact shared ops) without a memory "
+                               f"budget, found window {W}, shared_ops {ps.shared_ops!r}, memory virtual "
+                               f"{rc.memory.virtual}; this report replays only that case")
+    M = t.microbatches // R  # a replica's micro-batches
+    mb = t.batch_size // t.microbatches
     schedule = build_schedule(ps.schedule, P, M)
-    planner = LookaheadPlanner(graph, rc.seed, P, M, ps, None, can_move_early=P > 1,
-                               optim_name=t.optimizer.name, memory=MemoryModel(rc.memory), schedule=schedule)
-    # the analytic table at the first batch's shape, as the engine makes it (training=False: no wire specs)
-    planner.ensure(torch.zeros(t.batch_size, *data.input_shape), t.batch_size // M, training=False)
+    table, runtime = run_costs(run_dir)
+    planner = LookaheadPlanner(graph, rc.seed, P, M, dataclasses.replace(ps, window=1), table, can_move_early=P > 1,
+                               optim_name=t.optimizer.name, memory=MemoryModel(rc.memory), schedule=schedule,
+                               runtime=runtime, replicas=R)
+    # the table at the first batch's shape, as the engine makes it (training=False: no wire specs)
+    planner.ensure(torch.zeros(t.batch_size, *data.input_shape), mb, training=False)
+    if priced and rc.threads is not None:
+        torch.set_num_threads(rc.threads)  # the run's: a CPU profile is keyed (and timed) by its thread count
+    price = measured_pricing(run_dir, graph, data.input_shape, mb, t.optimizer.name, world) if priced else None
     records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     records.sort(key=lambda r: r["step"])
     wanted = set(steps)
@@ -182,12 +242,25 @@ def replay_plans(run_dir: Path, steps: Iterable[int]) -> tuple[dict[int, dict], 
         moved = sum(before[op] != s for op, s in planner.placed(plan).items())
         matches += moved == rec["migrated_ops"]
         step = rec["step"]
-        if step in wanted:
-            fwd, bwd, send = stage_work(planner.problem(plan.arch), plan.partition.bounds)
+        if step not in wanted:
+            continue
+        b = plan.partition.bounds
+        bounds[step] = list(b)
+        if price is None and runtime is None:
+            fwd, bwd, send = stage_work(planner.problem(plan.arch), b)
             out[step] = predicted_breakdown(simulate(schedule, fwd, bwd, send))
-            bounds[step] = list(plan.partition.bounds)
-    return out, {"moves_match": matches, "steps_checked": len(archs), "bounds": bounds,
-                 "space": rc.space.target, "stages": P, "microbatches": M}
+            continue
+        tab, rt = price if price is not None else (planner.costs, runtime)
+        active = graph.active_ops(plan.arch)
+        problem = subnet_problem(graph, active, tab, P, M, schedule, rt.bandwidth, rt.latency_s)
+        uses = [frozenset(op.op_id for op in sl.ops) for sl in cut(active, b, graph.output)]
+        work = subnet_work(problem, b, uses, rt, R, ps.reduce)
+        reduce = [rt.reduce_s(sum(o.param_bytes for o in problem.ops[b[k]:b[k + 1]]), R, ps.reduce) for k in range(P)]
+        out[step] = predicted_breakdown(simulate(sequential(schedule, [uses]), work=[work]), reduce)
+    where = (f"{price[0].source} ops, {price[1].source} runtime costs" if price is not None else
+             f"{table.source} ops, {runtime.source} runtime costs" if runtime is not None else "analytic costs")
+    return out, {"moves_match": matches, "steps_checked": len(archs), "bounds": bounds, "priced_with": where,
+                 "space": rc.space.target, "stages": P, "replicas": R, "microbatches": t.microbatches}
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -196,8 +269,16 @@ def _median(rows: Sequence[Mapping[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def report(run_dir: Path) -> list[dict]:
-    """One row per stage: medians over the traced steps, measured and predicted, in ms."""
+def _predicted(p: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    pk = {k: 1e3 * _median(p, k) for k in (*KINDS, "makespan")}
+    pk["compute"] = 1e3 * statistics.median(sum(r[k] for k in COMPUTE_KINDS) for r in p)
+    return {k: round(v, 3) for k, v in pk.items()}
+
+
+def report(run_dir: Path, priced: bool = True) -> list[dict]:
+    """One row per rank: medians over the traced steps, measured and predicted, in ms: as the
+    run's planner saw them (``predicted_ms``) and, with ``priced``, with the measured costs
+    (``predicted_measured_ms``: the op profile and the runtime costs of :mod:`pipeline.calibrate`)."""
     path = run_dir / "trace.json"
     if not path.is_file():
         raise TraceReportError(f"{path}: expected the trace of a run with pipeline.trace_steps, found no such file")
@@ -207,51 +288,64 @@ def report(run_dir: Path) -> list[dict]:
         raise TraceReportError(f"{path}: expected spans of traced steps, found none")
     full = [s for s, ranks in meas.items() if all(r["full"] for r in ranks.values())] or sorted(meas)
     pred, info = replay_plans(run_dir, full)
+    after, info_after = replay_plans(run_dir, full, priced=True) if priced else (None, None)
+    P = info["stages"]
     rows = []
     for rank in sorted({r for s in full for r in meas[s]}):
         m = [meas[s][rank] for s in full if rank in meas[s]]
-        p = [pred[s][rank] for s in full]
         mk = {k: 1e3 * _median(m, k) for k in (*KINDS, "cycle", "schedule")}
         mk["compute"] = 1e3 * statistics.median(sum(r[k] for k in COMPUTE_KINDS) for r in m)
-        pk = {k: 1e3 * _median(p, k) for k in (*KINDS, "makespan")}
-        pk["compute"] = 1e3 * statistics.median(sum(r[k] for k in COMPUTE_KINDS) for r in p)
-        rows.append({
-            "bench": "trace_vs_plan", "run_dir": str(run_dir), "space": info["space"], "stage": rank,
-            "stages": info["stages"], "microbatches": info["microbatches"], "steps": full,
-            "measured_ms": {k: round(v, 3) for k, v in mk.items()},
-            "predicted_ms": {k: round(v, 3) for k, v in pk.items()},
-            # the schedule's extent (all ranks' forwards and backwards) over the simulated makespan, per step
+        row = {
+            "bench": "trace_vs_plan", "run_dir": str(run_dir), "space": info["space"], "rank": rank,
+            "stage": rank % P, "stages": P, "replicas": info["replicas"], "microbatches": info["microbatches"],
+            "steps": full, "measured_ms": {k: round(v, 3) for k, v in mk.items()},
+        }
+        for name, pr, inf in (("predicted", pred, info), ("predicted_measured", after, info_after)):
+            if pr is None:
+                continue
+            p = [pr[s][rank % P] for s in full]
+            pk = _predicted(p)
+            row[f"{name}_ms"] = pk
+            row[f"{name}_with"] = inf["priced_with"]
+            # the measured cycle (a step's wall time on this rank) over the simulated step
+            row[f"{name}_cycle_ratio"] = round(statistics.median(
+                meas[s][rank]["cycle"] / pr[s][rank % P]["makespan"] for s in full), 3)
+            row[f"{name}_compute_ratio"] = round(mk["compute"] / pk["compute"], 3) if pk["compute"] > 0 else None
+        row.update({
+            # the schedule's extent (all ranks' forwards and backwards) over the planner's simulated makespan
             "makespan_ratio": round(statistics.median(
-                meas[s][rank]["schedule"] / pred[s][rank]["makespan"] for s in full), 3),
-            "cycle_over_makespan": round(statistics.median(
-                meas[s][rank]["cycle"] / pred[s][rank]["makespan"] for s in full), 3),
-            "compute_ratio": round(mk["compute"] / pk["compute"], 3) if pk["compute"] > 0 else None,
+                meas[s][rank]["schedule"] / pred[s][rank % P]["makespan"] for s in full), 3),
             "plan_source": "replanned: LookaheadPlanner chained from the initial placement over steps "
-                           f"0..{max(full)} of metrics.jsonl, analytic costs (bounds not recorded in the run); "
+                           f"0..{max(full)} of metrics.jsonl with what the run planned with ({info['priced_with']}); "
                            f"op moves match migrated_ops on {info['moves_match']}/{info['steps_checked']} steps",
             "bounds": {str(s): info["bounds"][s] for s in full},
             "baseline": "predicted_ms: the simulator on the replayed plans of the same steps (same run)",
             "loadavg": os.getloadavg()[0],
         })
+        rows.append(row)
     return rows
 
 
 def table(rows: Sequence[dict]) -> str:
-    cols = ("forward", "backward", "optimizer", "recv_wait", "send", "migrate", "plan", "other", "rest")
-    head = f"{'stage':>5} {'':>5} " + " ".join(f"{c[:9]:>9}" for c in cols) + f" {'cycle':>8} {'sched':>8}"
+    cols = ("forward", "backward", "optimizer", "reduce", "recv_wait", "send", "migrate", "plan", "other", "rest")
+    head = f"{'rank':>5} {'':>9} " + " ".join(f"{c[:9]:>9}" for c in cols) + f" {'cycle':>8} {'sched':>8}"
     lines = [head]
     for r in rows:
-        m, p = r["measured_ms"], r["predicted_ms"]
-        lines.append(f"{r['stage']:>5} {'meas':>5} " + " ".join(f"{m[c]:9.2f}" for c in cols)
+        m = r["measured_ms"]
+        lines.append(f"{r['rank']:>5} {'measured':>9} " + " ".join(f"{m[c]:9.2f}" for c in cols)
                      + f" {m['cycle']:8.2f} {m['schedule']:8.2f}")
-        lines.append(f"{'':>5} {'pred':>5} " + " ".join(f"{p[c]:9.2f}" for c in cols)
-                     + f" {p['makespan']:8.2f} {p['makespan']:8.2f}")
+        for name, label in (("predicted", "planner"), ("predicted_measured", "measured$")):
+            p = r.get(f"{name}_ms")
+            if p is not None:
+                lines.append(f"{'':>5} {label:>9} " + " ".join(f"{p[c]:9.2f}" for c in cols)
+                             + f" {p['makespan']:8.2f} {p['makespan']:8.2f}")
         outside = {k: m[k] for k in cols if k not in COMPUTE_KINDS}
         lines.append(f"{'':>5} outside compute {sum(outside.values()):.2f} ms of {m['cycle']:.2f} "
                      f"({100 * sum(outside.values()) / m['cycle']:.0f} %): "
                      + ", ".join(f"{k} {v:.2f}" for k, v in outside.items() if v >= 0.005))
-        lines.append(f"{'':>5} makespan ratio {r['makespan_ratio']}, cycle/makespan {r['cycle_over_makespan']}, "
-                     f"compute ratio {r['compute_ratio']}")
+        lines.append(f"{'':>5} cycle / predicted step: planner {r.get('predicted_cycle_ratio')}, measured costs "
+                     f"{r.get('predicted_measured_cycle_ratio')}; compute ratio {r.get('predicted_compute_ratio')}, "
+                     f"{r.get('predicted_measured_compute_ratio')}")
     return "\n".join(lines)
 
 
@@ -273,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--trace", default="40:50", help="traced steps, start:stop (default 40:50)")
     ap.add_argument("--name", default="trace_vs_plan", help="bench/out/<name>.jsonl")
+    ap.add_argument("--nproc", type=int, default=2, help="--run: processes")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for --run (key=value)")
     args, extra = ap.parse_known_args(argv)
     overrides = [*(args.overrides or []), *extra]
@@ -282,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.run:
         a, b = (int(v) for v in args.trace.split(":"))
         run_dir = Path(tempfile.mkdtemp(prefix="pipenas-trace-vs-plan-"))
-        run_job(run_dir, args.steps, range(a, b), overrides)
+        run_job(run_dir, args.steps, range(a, b), overrides, args.nproc)
     elif args.run_dir is None:
         ap.error("give a run directory, or --run")
     else:

@@ -43,12 +43,18 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
     if clip_grad_norm is not None and settings.cross:
         raise ValueError(f"clip_grad_norm: expected pipeline.window 1 and shared_ops exact, found window "
                          f"{settings.window} and shared_ops {settings.shared_ops!r} (cross-subnet updates do not clip)")
+    compensation = (settings.delay_compensation, settings.delay_compensation_coef)
     if env is None:
         return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps,
                                shared_ops=settings.shared_ops, shared_delay=settings.shared_delay,
-                               checkpoint_every=checkpoint_every, clip_grad_norm=clip_grad_norm)
+                               checkpoint_every=checkpoint_every, clip_grad_norm=clip_grad_norm,
+                               delay_compensation=compensation)
     from .runtime import PipelineEngine
 
-    return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
-                          trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every,
-                          sample_shape=sample_shape, batch_size=batch_size, clip_grad_norm=clip_grad_norm)
+    engine = PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
+                            trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every,
+                            sample_shape=sample_shape, batch_size=batch_size, clip_grad_norm=clip_grad_norm)
+    # pipeline.delay_compensation: the same rule the reference runs, on the one SharedOps that
+    # the engine's executor and migrator hold (set before any subnet runs)
+    engine.shared.compensate(*compensation)
+    return engine

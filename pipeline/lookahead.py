@@ -22,6 +22,7 @@ from .memory.sizing import MemoryModel, arena_error, check_fits
 from .plan.activations import ActivationError
 from .plan.admission import SubnetWork, in_flight_bound
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
+from .plan.overhead import RuntimeCosts, subnet_work
 from .plan.partition import Partition, PartitionError, PartitionProblem, stage_work
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
@@ -65,9 +66,13 @@ class Plan:
 class LookaheadPlanner:
     def __init__(self, graph: SupernetGraph, seed: int, num_stages: int, microbatches: int,
                  settings: PipelineSettings, costs: CostTable | None, can_move_early: bool, optim_name: str,
-                 memory: MemoryModel | None = None, schedule: Schedule | None = None) -> None:
+                 memory: MemoryModel | None = None, schedule: Schedule | None = None,
+                 runtime: RuntimeCosts | None = None, replicas: int = 1) -> None:
         # ``costs``: the table to plan with (every rank the same); None: the analytic model at
         # the first batch's shape, with ``optim_name``'s optimizer state in the memory model.
+        # ``runtime``: what a step costs beyond its ops on this machine (pipeline/calibrate.py;
+        # None: the settings' link and nothing more): the link every split is priced with, and the
+        # work a cross-subnet schedule is admitted by (actions, updates, ``replicas``' reduction)
         # ``memory``: the tensor manager's arenas and the activation policy (None: all resident)
         self.graph, self.seed, self.num_stages, self.microbatches = graph, seed, num_stages, microbatches
         self.memory = memory
@@ -77,6 +82,7 @@ class LookaheadPlanner:
         self.schedule = schedule if schedule is not None else build_schedule(settings.schedule, num_stages, microbatches)
         self.in_flight = (in_flight_bound(num_stages, microbatches, settings.window) if settings.cross else None)
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
+        self.runtime, self.replicas = runtime, replicas
         self.planner = None
         self.stateful = stateful_ops(graph)  # the ops whose order between subnets matters
         # Wire specs come from a dry run of the stages on the meta device, ~30-70 ms of Python a
@@ -131,8 +137,10 @@ class LookaheadPlanner:
         model every plan of it is made with (pure)."""
         s, mm = self.settings, self.memory
         arena = mm is not None and mm.arena_bytes is not None
+        bandwidth, latency = ((self.runtime.bandwidth, self.runtime.latency_s) if self.runtime is not None
+                              else (s.link_bandwidth, s.link_latency_s))
         return subnet_problem(self.graph, self.graph.active_ops(arch), self.costs, self.num_stages, self.microbatches,
-                              self.schedule, s.link_bandwidth, s.link_latency_s,
+                              self.schedule, bandwidth, latency,
                               mm.budgets() if arena else s.budgets(self.num_stages), mm.managed if arena else None,
                               self.in_flight)
 
@@ -167,8 +175,11 @@ class LookaheadPlanner:
     def _work(self, problem, part: Partition, slices: Sequence[Slice]) -> SubnetWork:
         """What a cross-subnet schedule needs of this plan: each stage's ops with state and the
         estimated seconds of its forward, backward and sends (pure, from the cost table)."""
-        fwd, bwd, send = stage_work(problem, part.bounds)
         uses = tuple(frozenset(op.op_id for op in sl.ops) & self.stateful for sl in slices)
+        if self.runtime is not None:
+            return subnet_work(problem, part.bounds, uses, self.runtime, self.replicas, self.settings.reduce,
+                               self_describing=not self.wires)
+        fwd, bwd, send = stage_work(problem, part.bounds)
         return SubnetWork(uses, fwd, bwd, send)
 
     def move_seconds(self) -> dict[str, float]:

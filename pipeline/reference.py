@@ -49,7 +49,8 @@ class ReferenceEngine:
     def __init__(self, graph: SupernetGraph, seed: int, optim: OptimConfig, microbatches: int,
                  lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None,
                  trace_steps: Iterable[int] = (), shared_ops: str = "exact", shared_delay: int = 1,
-                 checkpoint_every: int = 0, clip_grad_norm: float | None = None) -> None:
+                 checkpoint_every: int = 0, clip_grad_norm: float | None = None,
+                 delay_compensation: tuple[str, float] = ("none", 1.0)) -> None:
         self.graph = graph
         # train.clip_grad_norm: the subnet's ops are all here, in op order (no exchange)
         self._clip = GradClip(clip_grad_norm) if clip_grad_norm is not None else None
@@ -69,7 +70,9 @@ class ReferenceEngine:
         self._choices: dict[Arch, Mapping[str, str] | None] = {}
         self._schedule = one_f_one_b(1, microbatches)  # what one process runs: one micro-batch in flight
         # ops in every subnet: exact, read late or frozen, as the pipelined engine runs them
-        self.shared = SharedOps(shared_ops, shared_delay, shared_ops_of(graph), checkpoint_every, self.tensors.module)
+        # (``delay_compensation``: pipeline.delay_compensation and its coefficient, for delayed ones)
+        self.shared = SharedOps(shared_ops, shared_delay, shared_ops_of(graph), checkpoint_every, self.tensors.module,
+                                *delay_compensation)
 
     @property
     def is_main(self) -> bool:

@@ -44,7 +44,7 @@ from .agreement import Agreement, AgreementError, plan_what
 from .engine import EvalResult, GradClip, LrSchedule, StepInput, StepResult, graph_has_batchnorm, split_batch
 from .executor import Segment, StageExecutor
 from .failures import FailureReporter, StageFailure, parse_fault
-from .layout import resolve_layout
+from .layout import choose_layout
 from .lookahead import LookaheadPlanner, Plan
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .memory.peer import open_peer, peer_needed
@@ -141,23 +141,24 @@ class PipelineEngine:
         self.microbatches, self.settings, self.device = microbatches, settings, device
         self.rank, self.world_size = env.rank, env.world_size
         self.batch_size = batch_size  # the whole training batch (a replica may be given only its rows)
-        # the 2-D mesh: R replicas of an S-stage pipeline (pipeline/replicas.py); R = 1: one
-        # process per stage, exactly as without replicas. The app checked the same layout before
-        # anything was written (pipeline/layout.py).
-        layout = resolve_layout(settings, memory, env.world_size, microbatches, graph, optim.name, sample_shape,
-                                batch_size)
-        if settings.stages == "auto" and env.rank == 0:
-            log.info("pipeline.stages=auto: %d stages x %d replicas (predicted %.1f samples/s)", layout.stages,
-                     layout.replicas, layout.predicted_samples_per_s)
-        self.mesh = Mesh.of(env.rank, env.world_size, layout.stages, microbatches)
-        self.num_stages, self.replicas, self.stage_index = self.mesh.stages, self.mesh.replicas, self.mesh.stage
-        self.local_microbatches = microbatches // self.replicas  # what this replica's schedule runs
         if not dist.is_initialized():
             backend = settings.backend if settings.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
             if device.type == "cuda":
                 torch.cuda.set_device(env.local_rank)
                 self.device = device = torch.device("cuda", env.local_rank)
             init_process_group(backend, env.rank, env.world_size, settings.timeout_s)  # restart-safe under torchrun
+        # the 2-D mesh: R replicas of an S-stage pipeline (pipeline/replicas.py); R = 1: one
+        # process per stage, exactly as without replicas. ``auto`` stages or window: chosen from
+        # this machine's measured costs, every rank alike (pipeline/layout.py: choose_layout)
+        self.layout, measured, self.runtime_costs = choose_layout(
+            settings, memory, env.rank, env.world_size, microbatches, graph, optim, sample_shape, batch_size, device,
+            seed, costs)
+        if self.layout.window is not None:
+            self.settings = settings = dataclasses.replace(settings, window=self.layout.window)
+        costs = costs if costs is not None else measured  # the planner prices with what chose the layout
+        self.mesh = Mesh.of(env.rank, env.world_size, self.layout.stages, microbatches)
+        self.num_stages, self.replicas, self.stage_index = self.mesh.stages, self.mesh.replicas, self.mesh.stage
+        self.local_microbatches = microbatches // self.replicas  # what this replica's schedule runs
         timeout = settings.timeout_s
         many = env.world_size > 1
         me, mesh = self.stage_index, self.mesh
@@ -197,7 +198,8 @@ class PipelineEngine:
         self.tracer = Tracer(self.rank, trace_steps)
         self.planner = LookaheadPlanner(graph, seed, self.num_stages, self.local_microbatches, settings, costs,
                                         can_move_early=self.num_stages > 1, optim_name=optim.name,
-                                        memory=self._memory_model(), schedule=self.schedule)
+                                        memory=self._memory_model(), schedule=self.schedule,
+                                        runtime=self.runtime_costs, replicas=self.replicas)
         offset = self.mesh.microbatches(microbatches).start  # this replica's first micro-batch
         self._last_arch: Arch | None = None  # the subnet of the last training step
         # shared ops read exactly, late or frozen (several subnets in flight need one of the last two)

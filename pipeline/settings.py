@@ -1,14 +1,17 @@
 """Pipeline settings (the ``pipeline`` config group) and the torchrun environment."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["PipelineSettings", "DistEnv", "dist_env"]
+__all__ = ["COMPENSATIONS", "PipelineSettings", "DistEnv", "check_compensation", "dist_env"]
 
 SCHEDULES = ("gpipe", "1f1b")
 PLANNERS = ("dynamic", "equal", "static", "oracle")
 SHARED_MODES = ("exact", "delayed", "frozen")  # pipeline.shared_ops (pipeline/shared.py)
+# pipeline.delay_compensation: what a delayed shared op does about its staleness (pipeline/shared.py)
+COMPENSATIONS = ("none", "predict", "dc", "step")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class PipelineSettings:
     ``reduce``: how replicated stages sum gradients: ``exact`` (the default, bit-identical to one
     process: a fold in micro-batch order along the replicas) or ``fast`` (one all-reduce, not
     bit-identical; :mod:`pipeline.replicas`).
+    ``window``: subnets in flight at once; ``auto``: under torchrun the layout chooser's pick
+    (:func:`pipeline.layout.choose_layout`; 1 with exact shared ops, and in one process).
+    ``delay_compensation`` (delayed shared ops only; ignored otherwise): ``none``, ``predict``
+    (the version read is extrapolated along its last update, ``delay_compensation_coef`` x the
+    updates it misses), ``dc`` (DC-ASGD: the gradient plus coef x g*g*(live - read) as it reaches
+    the live op) or ``step`` (a delayed op's update scaled by coef, in (0, 1]);
+    :class:`pipeline.shared.SharedOps` runs it, in the reference and the pipeline alike.
     """
 
     stages: int | str | None = None
@@ -49,16 +59,18 @@ class PipelineSettings:
     link_latency_s: float = 5e-5
     memory_budget_bytes: float | None = None
     trace_steps: tuple[int, ...] = ()
-    window: int = 1
+    window: int | str = 1
     shared_ops: str = "exact"
     shared_delay: int = 1
     reduce: str = "exact"
+    delay_compensation: str = "predict"
+    delay_compensation_coef: float = 1.0
 
     @property
     def cross(self) -> bool:
         """Whether training runs cross-subnet schedules (several subnets in flight, or shared
         ops read late or frozen) rather than one flushed step per subnet."""
-        return self.window > 1 or self.shared_ops != "exact"
+        return (self.window != "auto" and self.window > 1) or self.shared_ops != "exact"
 
     def budgets(self, num_stages: int) -> tuple[float, ...] | None:
         return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
@@ -93,14 +105,29 @@ class PipelineSettings:
         object.__setattr__(self, "trace_steps", tuple(sorted(set(steps))))  # from YAML it comes as a list
         for name, lo in (("window", 1), ("shared_delay", 1)):
             v = getattr(self, name)
+            if name == "window" and v == "auto":  # the layout chooser's pick (pipeline/layout.py)
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"pipeline.{name}: expected an integer >= {lo}, found {v!r}")
+                also = " or 'auto'" if name == "window" else ""
+                raise ValueError(f"pipeline.{name}: expected an integer >= {lo}{also}, found {v!r}")
         if self.shared_ops not in SHARED_MODES:
             raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
+        check_compensation(self.delay_compensation, self.delay_compensation_coef)
         if self.reduce not in ("exact", "fast"):
             raise ValueError(f"pipeline.reduce: expected 'exact' or 'fast', found {self.reduce!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
+
+
+def check_compensation(rule: str, coef: float) -> None:
+    """``pipeline.delay_compensation`` and its coefficient, or the error that names them."""
+    if rule not in COMPENSATIONS:
+        raise ValueError(f"pipeline.delay_compensation: expected one of {list(COMPENSATIONS)}, found {rule!r}")
+    ok = isinstance(coef, (int, float)) and not isinstance(coef, bool) and math.isfinite(coef)
+    if rule == "step" and not (ok and 0 < coef <= 1):
+        raise ValueError(f"pipeline.delay_compensation_coef: expected a step scale in (0, 1] for 'step', found {coef!r}")
+    if not (ok and coef >= 0):
+        raise ValueError(f"pipeline.delay_compensation_coef: expected a finite number >= 0, found {coef!r}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,14 @@ single-process reference and the pipeline, so both compute the same bits:
   to the current weights by the optimizer, in subnet order (one update per subnet, as in
   PipeDream-2BW's fixed delay); the buffers it updated (batch-norm statistics) replace the
   op's at that update. A ring of the last D + 1 versions is kept.
+  What it does about the staleness (``pipeline.delay_compensation``, with coefficient c):
+  ``predict`` (SpecTrain / PipeMare weight prediction, from the kept versions rather than the
+  optimizer's state, so any optimizer): the private copy's parameters are
+  ``v_k + c * d * (v_k - v_{k-1})``, the version read moved on along its last update by the
+  ``d = t - 1 - k`` updates it misses (none where ``v_{k-1}`` is from before the boundary, or
+  the start); ``dc`` (DC-ASGD): the gradient reaching the live op is
+  ``g + c * g * g * (w_live - w_read)``; ``step``: a delayed op's update is scaled by c. Buffers
+  are never extrapolated. The ring then keeps D + 2 versions.
 * ``frozen`` (NASPipe's choice): never updated. Each subnet runs a private copy whose
   parameters get no gradient and whose buffer updates are dropped, so no two subnets in flight
   touch the op's state and the order they run in cannot matter.
@@ -31,7 +39,7 @@ from torch import nn
 
 from supernet import SupernetGraph, build_op
 
-from .settings import SHARED_MODES
+from .settings import SHARED_MODES, check_compensation
 
 __all__ = ["SharedOps", "SHARED_MODES", "shared_ops_of", "stateful_ops"]
 
@@ -62,7 +70,7 @@ class SharedOps:
     """Which module a subnet runs for each shared op, and what its update does (module doc)."""
 
     def __init__(self, mode: str, delay: int, shared: Iterable[str], checkpoint_every: int,
-                 module: Callable[[str], nn.Module]) -> None:
+                 module: Callable[[str], nn.Module], compensation: str = "none", coef: float = 1.0) -> None:
         if mode not in SHARED_MODES:
             raise ValueError(f"pipeline.shared_ops: expected one of {list(SHARED_MODES)}, found {mode!r}")
         self.mode, self.delay, self.every = mode, delay, checkpoint_every
@@ -70,6 +78,20 @@ class SharedOps:
         self._live = module
         self._versions: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # op -> step -> state after it
         self._private: dict[tuple[str, int], nn.Module] = {}  # (op, step) -> the module that subnet runs
+        self._before: dict[str, list[torch.Tensor]] = {}  # ``step``: a delayed op's parameters before its update
+        self.compensate(compensation, coef)
+
+    def compensate(self, rule: str, coef: float = 1.0) -> None:
+        """Set ``pipeline.delay_compensation`` (module doc), before the first subnet runs (the
+        pipelined engine builds its instance before it is told)."""
+        check_compensation(rule, coef)
+        if self._versions or self._private:
+            raise RuntimeError("SharedOps.compensate: expected before the first subnet, found versions kept")
+        self.rule, self.coef = rule, float(coef)
+
+    @property
+    def _predict(self) -> bool:
+        return self.rule == "predict" and self.mode == "delayed"
 
     @property
     def delayed(self) -> frozenset[str]:
@@ -111,7 +133,25 @@ class SharedOps:
         private.load_state_dict(versions[k])
         for p in private.parameters():
             p.grad = None
+        if self._predict:
+            self._extrapolate(private, op, step, k)
         self._private[(op, step)] = private
+
+    def _extrapolate(self, private: nn.Module, op: str, step: int, k: int) -> None:
+        """``predict``: move the version read (after step ``k``) on along its last update, by the
+        ``step - 1 - k`` updates it misses; nothing without an update since the boundary."""
+        missed = step - 1 - k
+        if missed <= 0 or k - 1 < self.floor(step) - 1:
+            return
+        prev = self._versions[op].get(k - 1)
+        if prev is None:
+            raise RuntimeError(f"shared op {op!r}: subnet of step {step} predicts from the versions after steps "
+                               f"{k - 1} and {k}; {k - 1} was not kept (kept: {sorted(self._versions[op])})")
+        now, alpha = self._versions[op][k], self.coef * missed
+        with torch.no_grad():
+            for name, p in private.named_parameters():
+                v = now[name]
+                p.copy_(v + alpha * (v - prev[name]))
 
     def module(self, op: str, step: int) -> nn.Module:
         """The module subnet ``step`` runs for ``op``."""
@@ -126,7 +166,17 @@ class SharedOps:
         subnets that read it later."""
         for op in ops:
             self._take_private(op, step)
+        stepping = self.rule == "step" and self.mode == "delayed"
+        if stepping:
+            for op in ops:
+                if op in self.delayed:
+                    self._before[op] = [p.detach().clone() for p in self._live(op).parameters()]
         yield [op for op in ops if op not in self.frozen]
+        if stepping:
+            with torch.no_grad():
+                for op in ops:
+                    for p, b in zip(self._live(op).parameters(), self._before.pop(op, ())):
+                        p.copy_(b + self.coef * (p - b))  # the optimizer's step, scaled
         for op in ops:
             self._keep_version(op, step)
 
@@ -135,8 +185,13 @@ class SharedOps:
         if private is None or op in self.frozen:
             return
         live = self._live(op)
+        dc = self.rule == "dc" and op in self.delayed
         for p, q in zip(live.parameters(), private.parameters()):
-            p.grad = q.grad
+            g = q.grad
+            if dc and g is not None:  # DC-ASGD: g g^T as the Hessian's stand-in, times the weights' drift
+                with torch.no_grad():
+                    g = g + self.coef * (g * g * (p - q))
+            p.grad = g
         with torch.no_grad():
             for b, c in zip(live.buffers(), private.buffers()):
                 b.copy_(c)
@@ -146,7 +201,8 @@ class SharedOps:
             return
         versions = self._versions.setdefault(op, {})
         versions[step] = _snapshot(self._live(op))
-        for k in [k for k in versions if k < step - self.delay - 1]:
+        oldest = step - self.delay - (2 if self._predict else 1)  # ``predict`` reads one more
+        for k in [k for k in versions if k < oldest]:
             del versions[k]
 
     def export_versions(self, op: str) -> dict[str, torch.Tensor]:

@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 __all__ = ["run", "prepare", "Prepared", "InitFrom", "NonFiniteLoss", "METRICS_NAME", "SUMMARY_NAME", "TRACE_NAME"]
 
 TRACE_NAME = "trace.json"
+COSTS_NAME = "costs.json"  # the measured costs a chosen layout was priced with (pipeline/layout.py)
 
 
 
@@ -202,6 +203,11 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
             train_s = time.perf_counter() - t0
             if rc.pipeline.trace_steps:
                 _write_trace(out / TRACE_NAME, engine, rc.pipeline.trace_steps, rlog)
+            if engine.is_main and getattr(engine, "runtime_costs", None) is not None:  # what a report replays with
+                from pipeline.profile import table_to_json
+
+                atomic_write_text(out / COSTS_NAME, json.dumps({"table": table_to_json(engine.planner.costs),
+                                                                "runtime": engine.runtime_costs.to_json()}) + "\n")
 
             t0 = time.perf_counter()
             result, evals = search_supernet(rc, engine, space, data, cost, p.seed_archs,
@@ -248,8 +254,12 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         # the order subnets were trained in (the same subnets per fair round or block with locality)
         "sampler": {"name": rc.sampler.name, "order": sampler.order, "block": sampler.block},
         # how subnets were trained together: in flight at once, and how ops in every subnet were read
-        "pipeline": {"window": rc.pipeline.window, "shared_ops": rc.pipeline.shared_ops,
-                     "shared_delay": rc.pipeline.shared_delay if rc.pipeline.shared_ops == "delayed" else None},
+        "pipeline": {"window": _window(engine, rc), "shared_ops": rc.pipeline.shared_ops,
+                     "shared_delay": rc.pipeline.shared_delay if rc.pipeline.shared_ops == "delayed" else None,
+                     "delay_compensation": ([rc.pipeline.delay_compensation, rc.pipeline.delay_compensation_coef]
+                                            if rc.pipeline.shared_ops == "delayed" else None)},
+        # stages x replicas and window run; with auto, the predicted samples/s of each alternative (pipeline/layout.py)
+        "layout": engine.layout.to_json() if hasattr(engine, "layout") else Layout(1, 1).to_json(),
         "memory": _memory_totals(engine),  # the tensor manager over the whole run (training and search)
         "space_size": space.size(),
         "space": {"target": rc.space.target, "options": rc.space.options},  # what search.report rebuilds
@@ -334,6 +344,15 @@ def _write_trace(path: Path, engine: Engine, steps: tuple[int, ...], rlog: loggi
     else:  # a resumed run that starts after the traced steps
         rlog.warning("pipeline.trace_steps %s: no step of them ran in this invocation; no %s written", list(steps),
                      path.name)
+
+
+def _window(engine: Engine, rc: RunConfig) -> int:
+    """The window the run trained with: the engine's (``pipeline.window=auto``: the layout
+    chooser's pick; one process: 1), else the config's."""
+    chosen = getattr(getattr(engine, "layout", None), "window", None)
+    if chosen is not None:
+        return chosen
+    return rc.pipeline.window if isinstance(rc.pipeline.window, int) else 1
 
 
 def _memory_totals(engine: Engine) -> dict[str, Any] | None:

@@ -552,6 +552,9 @@ def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
               "data": data.get("data"), "train": train}
     if mode != "exact":
         fields["shared_ops"] = {"mode": mode, **({"delay": pipe.get("shared_delay", 1)} if mode == "delayed" else {})}
+        rule = pipe.get("delay_compensation", "none")
+        if mode == "delayed" and rule != "none":  # left out when off: older delayed runs keep their digest
+            fields["shared_ops"]["compensation"] = {"rule": rule, "coef": pipe.get("delay_compensation_coef", 1.0)}
     if pipe.get("reduce", "exact") == "fast":  # replicas' gradients summed in the all-reduce's order
         fields["reduce"] = "fast"
     return fields

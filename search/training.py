@@ -100,7 +100,8 @@ def train_supernet(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, o
     skipped = 0
     # subnets back to back in one schedule: a cross-subnet window, or one flushed step at a time (a
     # crash, a signal or a non-finite loss then stops at the step, and its metrics line is written)
-    segment = max(32, 4 * rc.pipeline.window) if rc.pipeline.cross else 1
+    ps = getattr(engine, "settings", rc.pipeline)  # the engine's: pipeline.window=auto resolved (pipeline/layout.py)
+    segment = max(32, 4 * (ps.window if isinstance(ps.window, int) else 1)) if ps.cross else 1
 
     def _record(step: int, arch: Any, res: Any, hold: bool = False) -> None:
         """One step's metrics record (``hold``: kept back for the monitor's columns), progress,

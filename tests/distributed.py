@@ -89,7 +89,7 @@ def make_engine(sc: Scenario, graph, env=None):
     memory = MemorySettings(**sc.memory) if sc.memory else None
     return create_engine(graph, sc.seed, optim, sc.microbatches, lr, settings, device="cpu", env=env, memory=memory,
                          trace_steps=tuple(sc.trace_steps), checkpoint_every=sc.checkpoint_every,
-                         clip_grad_norm=sc.clip)
+                         clip_grad_norm=sc.clip, batch_size=sc.batch, sample_shape=(1, 8, 8))  # step_data's
 
 
 def run_scenario(sc: Scenario, env=None) -> dict:

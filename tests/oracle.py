@@ -17,6 +17,14 @@ changes is written here from the semantics the README states for ``pipeline.shar
 * ``frozen``: every step runs the initial weights and buffers (no gradients) and nothing is
   written back.
 
+``compensation`` (delayed only; ``pipeline.delay_compensation``, coefficient c), as the README
+states it: ``predict``: step t runs, for each parameter of a shared op, ``v_r + c*d*(v_r - v_{r-1})``
+where ``r`` is the step it reads, ``d = t - 1 - r`` the updates it misses and ``v_r`` the value
+after step r, when ``d > 0`` and ``r - 1`` is not before ``floor(t) - 1`` (else ``v_r``; buffers are
+never moved); ``dc``: a shared op's gradient reaches the live weights as
+``g + c*g*g*(live - read)``; ``step``: after the optimizer step, each shared op's parameter is
+``before + c*(after - before)``.
+
 Every version is kept (a dict by step, no ring), so a version the engine drops too early, a
 boundary it puts elsewhere or a gradient it applies to the wrong weights would show.
 
@@ -106,13 +114,19 @@ def _contiguous(g: torch.Tensor) -> torch.Tensor:
 
 
 def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, lr: Callable[[int], float],
-          microbatches: int, mode: str = "exact", delay: int = 0, checkpoint_every: int = 0) -> OracleRun:
+          microbatches: int, mode: str = "exact", delay: int = 0, checkpoint_every: int = 0,
+          compensation: str = "none", coef: float = 1.0) -> OracleRun:
     """Train ``items`` (step, arch, x, y; steps 0, 1, 2, ... in order) from the initial weights.
     ``optim``: the optimizer's settings (``name``, ``lr``, ``momentum``, ``weight_decay``,
     ``betas``, ``eps``, ``nesterov``); ``mode``: ``exact``, ``delayed`` (``delay`` >= 1) or
-    ``frozen``."""
+    ``frozen``; ``compensation``: ``none``, ``predict``, ``dc`` or ``step`` (delayed only)."""
     if mode not in ("exact", "delayed", "frozen"):
         raise ValueError(f"oracle: mode {mode!r}")
+    if compensation not in ("none", "predict", "dc", "step"):
+        raise ValueError(f"oracle: compensation {compensation!r}")
+    if mode != "delayed":
+        compensation = "none"
+    coef = float(coef)
     if mode == "exact":
         delay = 0
     modules = {s.op_id: build_op(s.spec, s.op_id, seed) for s in graph.slots()}
@@ -130,11 +144,13 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
             raise ValueError(f"oracle: subnet {dict(arch)} reads a node twice; the oracle runs chains only")
 
         # which version of each shared op this step runs
+        floor = (step // checkpoint_every) * checkpoint_every if checkpoint_every else 0
         if mode == "frozen":
             read = -1
         else:
-            floor = (step // checkpoint_every) * checkpoint_every if checkpoint_every else 0
             read = max(step - delay, floor) - 1
+        missed = step - 1 - read
+        predict = compensation == "predict" and missed > 0 and read - 1 >= floor - 1
         run.reads.append(read)
         runs: dict[str, nn.Module] = {}
         for op in active:
@@ -144,6 +160,11 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
                 continue
             view = copy.deepcopy(live)
             view.load_state_dict(after[read][op.op_id])
+            if predict:  # the version read, moved on along its last update by the updates it misses
+                now, before = after[read][op.op_id], after[read - 1][op.op_id]
+                with torch.no_grad():
+                    for name, p in view.named_parameters():
+                        p.copy_(now[name] + (coef * missed) * (now[name] - before[name]))
             for p in view.parameters():
                 p.grad = None
                 p.requires_grad_(mode != "frozen")
@@ -179,7 +200,10 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
                     continue
                 grads = dict(view.named_parameters())
                 for name, p in live.named_parameters():
-                    p.grad = grads[name].grad
+                    g = grads[name].grad
+                    if compensation == "dc" and g is not None:  # DC-ASGD, from the weights it read
+                        g = g.detach() + coef * (g * g * (p.detach() - grads[name].detach()))
+                    p.grad = g
                 stats = dict(view.named_buffers())
                 with torch.no_grad():
                     for name, b in live.named_buffers():
@@ -187,7 +211,13 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
         if all(math.isfinite(v) for v in losses):
             for group in opt.param_groups:
                 group["lr"] = lr(step)
+            stepped = {op: {n: p.detach().clone() for n, p in modules[op].named_parameters()}
+                       for op in shared} if compensation == "step" else {}
             opt.step()
+            with torch.no_grad():
+                for op, before in stepped.items():  # the shared ops' step, scaled by c
+                    for name, p in modules[op].named_parameters():
+                        p.copy_(before[name] + coef * (p - before[name]))
         opt.zero_grad(set_to_none=True)
         after[step] = {op: _state(modules[op]) for op in shared}
 

@@ -323,6 +323,6 @@ def test_torchrun_restarts_after_kills_stops_on_sigint_and_resumes(cli: tuple[Pa
     assert {s.rank for s in spans} == {0, 1}
     check_trace(spans)
     assert sorted(p.name for p in run_dir.iterdir() if not p.is_dir()) == [
-        "checkpoint.prev.pt", "checkpoint.pt", "metrics.csv", "metrics.jsonl", "search-evolution.jsonl",
-        "search.log", "summary.json", "trace.json"]
+        "checkpoint.prev.pt", "checkpoint.pt", "costs.json", "metrics.csv", "metrics.jsonl", "search-evolution.jsonl",
+        "search.log", "summary.json", "trace.json"]  # costs.json: the window was chosen (pipeline.window=auto)
     assert [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == list(range(40))

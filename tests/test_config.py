@@ -60,7 +60,7 @@ def test_defaults() -> None:
     assert rc.space.target == "supernet.spaces.conv.build" and rc.data.target == "search.data.Digits"
     assert rc.sampler.name == "uniform" and rc.search.algorithm == "evolution"
     assert rc.train.optimizer.name == "sgd" and rc.train.schedule()(rc.train.steps - 1) < rc.train.optimizer.lr
-    assert rc.pipeline.schedule == "1f1b" and rc.pipeline.stages is None
+    assert rc.pipeline.schedule == "1f1b" and rc.pipeline.stages == "auto" and rc.pipeline.window == "auto"
     assert rc.seed == 0 and rc.device == "auto" and rc.resume
     assert load_config(make_cfg("search=random")).search.budget == rc.search.budget
 

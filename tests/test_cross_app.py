@@ -34,8 +34,10 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_one_process_exact_window_is_sequential_and_delayed_is_recorded(one_process: dict) -> None:
     assert one_process["exact"]["params_digest"] == one_process["flushed"]["params_digest"]
     assert one_process["delayed"]["params_digest"] != one_process["flushed"]["params_digest"]
-    assert one_process["delayed"]["pipeline"] == {"window": 4, "shared_ops": "delayed", "shared_delay": 1}
-    assert one_process["flushed"]["pipeline"] == {"window": 1, "shared_ops": "exact", "shared_delay": None}
+    assert one_process["delayed"]["pipeline"] == {"window": 4, "shared_ops": "delayed", "shared_delay": 1,
+                                                  "delay_compensation": ["predict", 1.0]}
+    assert one_process["flushed"]["pipeline"] == {"window": 1, "shared_ops": "exact", "shared_delay": None,
+                                                  "delay_compensation": None}
 
 
 def test_delayed_reads_change_the_train_digest() -> None:
@@ -45,11 +47,19 @@ def test_delayed_reads_change_the_train_digest() -> None:
     assert train_digest(make_cfg()) == train_digest(make_cfg("pipeline.window=4"))  # window alone changes nothing
     assert train_digest(make_cfg()) != train_digest(make_cfg(*DELAYED))
     assert train_digest(make_cfg(*DELAYED)) != train_digest(make_cfg(*DELAYED[:2], "pipeline.shared_delay=2", "sampler=fair"))
+    # the delay's compensation (rule and coefficient) is part of what a delayed run trains; an
+    # exact run ignores it, so its digest does not change
+    digests = {train_digest(make_cfg(*DELAYED, f"pipeline.delay_compensation={rule}",
+                                     f"pipeline.delay_compensation_coef={coef}"))
+               for rule, coef in (("predict", 1.0), ("predict", 0.5), ("none", 1.0), ("dc", 1.0))}
+    assert len(digests) == 4 and train_digest(make_cfg(*DELAYED)) in digests
+    assert train_digest(make_cfg("pipeline.delay_compensation=none")) == train_digest(make_cfg())
 
 
 @pytest.mark.dist
 def test_torchrun_cross_subnet_matches_one_process_and_resumes(one_process: dict, tmp_path: Path) -> None:
-    args = [*TINY_CONV, *TINY, *DELAYED, "pipeline.timeout_s=60", "pipeline.trace_steps=[6]", f"hydra.run.dir={tmp_path}/run"]
+    args = [*TINY_CONV, *TINY, *DELAYED, "pipeline.timeout_s=60", "pipeline.trace_steps=[6]", "pipeline.stages=2",
+            f"hydra.run.dir={tmp_path}/run"]
     first = torchrun_search(args, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -6,7 +6,9 @@ cost of staleness. Here a plain PyTorch loop that states the semantics directly 
 the shared ops kept, the read version computed from the step, the delay and the last checkpoint
 boundary) must compute the engine's bits: every step's and micro-batch's loss and every op's
 final weights, buffers and optimizer state, compared with ``torch.equal``. The oracle also runs
-with the wrong delay and without the boundary to show these comparisons can fail.
+with the wrong delay and without the boundary to show these comparisons can fail. The delay's
+compensation (``pipeline.delay_compensation``: ``predict``, the default, ``dc``, ``step``, ``none``)
+is stated in the oracle too, and checked the same way.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 from distributed import Scenario, arch_stream, build_graph, run_scenario, spawn, step_data
 from oracle import OracleRun, cosine_lr, shared_ops, train
-from pipeline import OptimConfig, params_digest
+from pipeline import OptimConfig, PipelineSettings, params_digest
 from search.app import prepare, run
 from search.checkpoint import load_checkpoint
 from supernet import Arch, build_op
@@ -26,17 +28,30 @@ from test_app import make_cfg
 
 
 def scenario(space: str, mode: str, delay: int = 1, every: int = 0, steps: int = 8, optimizer: str = "sgd",
-             sampler: str = "random", window: int = 2, segment: int | None = None) -> Scenario:
+             sampler: str = "random", window: int = 2, segment: int | None = None,
+             compensation: tuple[str, float] | None = None) -> Scenario:
     extra: dict = {"window": window, "shared_ops": mode, **({"shared_delay": delay} if mode == "delayed" else {})}
+    if compensation is not None:
+        extra.update(delay_compensation=compensation[0], delay_compensation_coef=compensation[1])
     if window > 1:
         extra.update(eps=0.0, objective="minmax")  # (pipelined: ops follow every change of the optimum)
     return Scenario(space, "1f1b", steps=steps, optimizer=optimizer, checkpoint_every=every, sampler=sampler,
                     segment=steps if segment is None else segment, extra=extra)
 
 
-def oracle(sc: Scenario, mode: str | None = None, delay: int | None = None, every: int | None = None) -> OracleRun:
+def compensation_of(sc: Scenario) -> tuple[str, float]:
+    """``sc``'s ``pipeline.delay_compensation`` and coefficient (the settings' defaults if unset)."""
+    default = PipelineSettings()
+    return (sc.extra.get("delay_compensation", default.delay_compensation),
+            sc.extra.get("delay_compensation_coef", default.delay_compensation_coef))
+
+
+def oracle(sc: Scenario, mode: str | None = None, delay: int | None = None, every: int | None = None,
+           compensation: tuple[str, float] | None = None) -> OracleRun:
     """The oracle on ``sc``'s subnets, data and hyper-parameters (tests/distributed.py
-    ``make_engine``); ``mode``, ``delay`` and ``every`` override ``sc``'s (to get it wrong)."""
+    ``make_engine``); ``mode``, ``delay``, ``every`` and ``compensation`` override ``sc``'s (to
+    get it wrong)."""
+    rule, coef = compensation if compensation is not None else compensation_of(sc)
     graph = build_graph(sc.space)
     archs = arch_stream(graph, sc.seed, sc.steps, sc.sampler, sc.order)
     items = [(k, archs[k], *step_data(sc.seed, k, sc.batch)) for k in range(sc.steps)]
@@ -44,7 +59,7 @@ def oracle(sc: Scenario, mode: str | None = None, delay: int | None = None, ever
     return train(graph, sc.seed, items, optim=optim, lr=cosine_lr(optim.lr, sc.steps, warmup_steps=1),
                  microbatches=sc.microbatches, mode=mode or sc.extra.get("shared_ops", "exact"),
                  delay=sc.extra.get("shared_delay", 0) if delay is None else delay,
-                 checkpoint_every=sc.checkpoint_every if every is None else every)
+                 checkpoint_every=sc.checkpoint_every if every is None else every, compensation=rule, coef=coef)
 
 
 _ENGINE: dict[str, tuple[dict, dict]] = {}
@@ -80,11 +95,13 @@ DELAYED = [
     scenario("conv", "delayed", delay=2, every=4, steps=10, sampler="fair"),
     scenario("conv", "delayed", delay=3, every=6, steps=10),
     scenario("transformer", "delayed", delay=2, every=3, steps=7, optimizer="adamw"),  # dropout, no buffers
+    # (the cases above run the default rule, ``predict``; staleness alone, no compensation:)
+    scenario("conv", "delayed", delay=2, every=4, steps=10, sampler="fair", compensation=("none", 1.0)),
 ]
 
 
 def _case(sc: Scenario) -> str:
-    return f"{sc.space}-D{sc.extra['shared_delay']}-ckpt{sc.checkpoint_every}"
+    return f"{sc.space}-D{sc.extra['shared_delay']}-ckpt{sc.checkpoint_every}-{compensation_of(sc)[0]}"
 
 
 @pytest.mark.parametrize("sc", DELAYED, ids=_case)
@@ -104,6 +121,77 @@ def test_delayed_engine_is_the_oracle_bit_for_bit(sc: Scenario) -> None:
         other = oracle(sc, **wrong)
         if other.reads != run_.reads:
             assert other.step_losses != res["losses"], f"the oracle with {wrong} matches too"
+
+
+COMPENSATED = [
+    scenario("conv", "delayed", delay=2, every=5, steps=10, compensation=("predict", 1.0)),  # SGD, batch norm
+    scenario("conv", "delayed", delay=1, every=4, steps=9, sampler="fair", compensation=("predict", 0.5)),
+    scenario("transformer", "delayed", delay=3, every=6, steps=10, optimizer="adamw", compensation=("predict", 1.0)),
+    scenario("conv", "delayed", delay=2, every=5, steps=10, compensation=("dc", 50.0)),
+    scenario("transformer", "delayed", delay=2, every=4, steps=8, optimizer="adamw", compensation=("dc", 2000.0)),
+    scenario("conv", "delayed", delay=2, every=5, steps=10, compensation=("step", 0.5)),
+]
+
+
+def _rule_case(sc: Scenario) -> str:
+    return f"{sc.space}-D{sc.extra['shared_delay']}-{sc.extra['delay_compensation']}{sc.extra['delay_compensation_coef']}"
+
+
+@pytest.mark.parametrize("sc", COMPENSATED, ids=_rule_case)
+def test_compensated_engine_is_the_oracle_bit_for_bit(sc: Scenario) -> None:
+    """``pipeline.delay_compensation``: the oracle's own statement of each rule (weights moved
+    on along their last update, DC-ASGD's gradient, a scaled step), bit for bit, across a
+    checkpoint boundary (no prediction from a version before it)."""
+    rule, coef = compensation_of(sc)
+    run_ = oracle(sc)
+    assert_matches(sc, run_, f"{sc.space} {rule} {coef}")
+    res, _ = engine(sc)
+    # not vacuous: the rule changes what is computed, and another coefficient would be caught
+    assert oracle(sc, compensation=("none", 1.0)).step_losses != res["losses"]
+    assert oracle(sc, compensation=(rule, coef * 0.5)).step_losses != res["losses"]
+    # nor the same as predicting across the boundary: the oracle that forgets it differs
+    if rule == "predict":
+        assert oracle(sc, every=0).step_losses != res["losses"]
+
+
+def test_predict_reads_the_version_moved_on() -> None:
+    """What ``predict`` runs, seen on the weights: a subnet that misses d updates reads
+    ``v_r + c*d*(v_r - v_{r-1})`` of the stem, and the version itself where ``v_{r-1}`` is from
+    before the boundary (a resumed run has no older one)."""
+    from pipeline.shared import SharedOps
+
+    torch.manual_seed(0)
+    live = torch.nn.Linear(3, 2)
+    ops = SharedOps("delayed", 2, ["stem"], 4, lambda op: live, "predict", 0.5)
+    history, v = [], {-1: {n: p.detach().clone() for n, p in live.named_parameters()}}
+    for step in range(8):
+        ops.begin("stem", step)
+        history.append({n: p.detach().clone() for n, p in ops.module("stem", step).named_parameters()})
+        with ops.updating(["stem"], step):
+            with torch.no_grad():
+                for p in live.parameters():
+                    p.add_(0.1 * (step + 1))  # an "update" whose size is known
+        v[step] = {n: p.detach().clone() for n, p in live.named_parameters()}
+    moved = []
+    for step, got in enumerate(history):
+        r = max(step - 2, step // 4 * 4) - 1
+        d = step - 1 - r
+        predicted = d > 0 and r - 1 >= step // 4 * 4 - 1
+        moved += [step] if predicted else []
+        for n, t in got.items():
+            want = v[r][n] + (0.5 * d) * (v[r][n] - v[r - 1][n]) if predicted else v[r][n]
+            assert torch.equal(t, want), (step, n)
+    # steps 5 and 6 read the boundary's version (3) and have no version before it
+    assert [max(s - 2, s // 4 * 4) - 1 for s in range(8)] == [-1, -1, -1, 0, 3, 3, 3, 4] and moved == [3, 7]
+
+
+def test_compensation_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"pipeline.delay_compensation: expected one of .*found 'spectrain'"):
+        PipelineSettings(delay_compensation="spectrain")
+    with pytest.raises(ValueError, match=r"pipeline.delay_compensation_coef: expected a finite number >= 0, found -1"):
+        PipelineSettings(delay_compensation="predict", delay_compensation_coef=-1)
+    with pytest.raises(ValueError, match=r"delay_compensation_coef: expected a step scale in \(0, 1\].*found 2"):
+        PipelineSettings(delay_compensation="step", delay_compensation_coef=2)
 
 
 @pytest.mark.parametrize("window", [1, 3])
@@ -153,7 +241,8 @@ def test_delayed_batchnorm_statistics_replace_the_live_ones() -> None:
 
 def test_app_delayed_run_is_the_oracle(tmp_path: Path) -> None:
     """The public entry (``search.app.run``): D = 2, checkpoints every 5 of 12 steps, the app's
-    own data, sampler, Nesterov SGD and warm-up; its metrics and final checkpoint are the oracle's."""
+    own data, sampler, Nesterov SGD and warm-up, the default delay compensation; its metrics and
+    final checkpoint are the oracle's."""
     cfg = make_cfg("pipeline.window=3", "pipeline.shared_ops=delayed", "pipeline.shared_delay=2", "sampler=fair")
     p = prepare(cfg, output_dir=tmp_path)
     run(cfg, output_dir=tmp_path, prepared=p)
@@ -163,7 +252,9 @@ def test_app_delayed_run_is_the_oracle(tmp_path: Path) -> None:
     items = [(m["step"], Arch(m["arch"]), *p.data.train_batch(m["step"], t.batch_size)) for m in metrics]
     run_ = train(p.graph, p.rc.seed, items, optim=t.optimizer,
                  lr=cosine_lr(t.optimizer.lr, t.steps, t.warmup_steps, t.lr_schedule, t.min_lr),
-                 microbatches=t.microbatches, mode="delayed", delay=2, checkpoint_every=t.checkpoint_every)
+                 microbatches=t.microbatches, mode="delayed", delay=2, checkpoint_every=t.checkpoint_every,
+                 compensation=p.rc.pipeline.delay_compensation, coef=p.rc.pipeline.delay_compensation_coef)
+    assert p.rc.pipeline.delay_compensation == "predict"  # the default rule
     assert [m["loss"] for m in metrics] == run_.step_losses
     assert [m["lr"] for m in metrics] == [cosine_lr(t.optimizer.lr, t.steps, t.warmup_steps, t.lr_schedule,
                                                     t.min_lr)(k) for k in range(t.steps)]
@@ -174,11 +265,14 @@ def test_app_delayed_run_is_the_oracle(tmp_path: Path) -> None:
 def test_pipelined_delayed_engine_is_the_oracle() -> None:
     """P = 2 gloo ranks, several subnets in flight, ops migrating: the oracle's bits too."""
     scs = [scenario("conv", "delayed", delay=2, every=4, steps=10, sampler="fair", window=4, segment=4),
-           scenario("transformer", "delayed", delay=1, every=3, steps=7, optimizer="adamw", window=3)]
+           scenario("transformer", "delayed", delay=1, every=3, steps=7, optimizer="adamw", window=3),
+           # predict: the version before the one read travels with a migrating op too
+           scenario("conv", "delayed", delay=2, every=5, steps=10, sampler="fair", window=4, segment=5,
+                    compensation=("predict", 1.0))]
     results, _, _ = spawn(2, scs, timeout_s=300)
     for sc, got in zip(scs, results):
         run_ = oracle(sc)
-        label = f"P=2 {sc.space} D={sc.extra['shared_delay']}"
+        label = f"P=2 {sc.space} D={sc.extra['shared_delay']} {compensation_of(sc)}"
         assert got["mb_losses"] == [list(mb) for mb in run_.losses], f"{label}: micro-batch losses differ"
         assert got["losses"] == run_.step_losses, f"{label}: step losses differ"
         assert got["digest"] == params_digest(run_.states), f"{label}: final weights differ"

@@ -110,7 +110,8 @@ def test_corrupt_latest_checkpoint_resumes_from_the_one_before(tmp_path: Path,
 
 @pytest.mark.dist
 def test_torchrun_two_stages_stop_at_the_nonfinite_step(tmp_path: Path) -> None:
-    p = torchrun_search([*DIVERGING, *TINY, "pipeline.timeout_s=60", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    p = torchrun_search([*DIVERGING, *TINY, "pipeline.timeout_s=60", "pipeline.stages=2",
+                         f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert p.returncode != 0
     errors = [line for line in p.stderr.splitlines() if "error: step 7: the loss is nan" in line]
     assert len(errors) == 1 and "micro-batch 1" in errors[0], p.stderr[-4000:]

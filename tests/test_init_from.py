@@ -158,7 +158,7 @@ def test_bad_init_from_is_one_line_and_writes_nothing(runs: dict, tmp_path: Path
 @pytest.mark.dist
 def test_torchrun_with_init_from_equals_one_process(runs: dict, tmp_path: Path) -> None:
     args = [*TINY_CONV, *TINY, *fixed(runs["arch"]), f"train.init_from={runs['root'] / 'A'}", "pipeline.timeout_s=60",
-            f"hydra.run.dir={tmp_path / 'p2'}"]
+            "pipeline.stages=2", f"hydra.run.dir={tmp_path / 'p2'}"]
     p = torchrun_search(args, tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())

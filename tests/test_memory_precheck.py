@@ -281,9 +281,9 @@ def test_a_pipelined_app_checks_its_stages_before_writing(tmp_path: Path, monkey
     one = app_need(tmp_path, "memory.device_budget_bytes=1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    two = app_need(tmp_path, "memory.device_budget_bytes=1")
+    two = app_need(tmp_path, "memory.device_budget_bytes=1", "pipeline.stages=2")
     assert 0 < two < one  # two stages share the largest subnet
-    prepare(make_cfg("device=cpu", f"memory.device_budget_bytes={two}"), tmp_path / "never")
+    prepare(make_cfg("device=cpu", f"memory.device_budget_bytes={two}", "pipeline.stages=2"), tmp_path / "never")
     assert not (tmp_path / "never").exists()
 
 

@@ -274,7 +274,7 @@ def test_torchrun_two_stages_score_alike_and_train_alike(tmp_path: Path) -> None
     """Scoring is collective (every stage, the same archs after the same step) and moves ops for
     the scored subnet's partition; training after it is the one-process run's, bit for bit."""
     one = run(make_cfg(*DELAYED, "train.monitor_every=4"), output_dir=tmp_path / "one")
-    args = [*TINY_CONV, *TINY, *DELAYED, "train.monitor_every=4", "pipeline.timeout_s=60",
+    args = [*TINY_CONV, *TINY, *DELAYED, "train.monitor_every=4", "pipeline.timeout_s=60", "pipeline.stages=2",
             f"hydra.run.dir={tmp_path}/run"]
     done = torchrun_search(args, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]

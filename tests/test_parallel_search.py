@@ -70,7 +70,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.dist
 def test_torchrun_scores_on_every_process_as_one_process(one_process: dict[str, Any], tmp_path: Path) -> None:
-    common = [*TINY_CONV, *TINY, "pipeline.timeout_s=30"]
+    common = [*TINY_CONV, *TINY, "pipeline.timeout_s=30", "pipeline.stages=2"]  # (the pipelined scoring: two stages)
     first = torchrun_search([*common, *EVOLUTION, f"hydra.run.dir={tmp_path / 'par'}"], tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     assert "search: scoring on every process (search.parallel=auto): 2 ranks" in first.stdout + first.stderr

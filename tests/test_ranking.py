@@ -55,3 +55,22 @@ def test_standalone_runs_the_app_once_then_reads_the_cache(tmp_path: Path, monke
     monkeypatch.setattr(ranking, "STANDALONE", {**ranking.STANDALONE, "steps": 4})  # another recipe: another key
     with pytest.raises(AssertionError, match="trained again"):
         ranking.standalone(arch, 0)
+
+
+def test_intervals_of_the_mean_over_seeds() -> None:
+    """tau's 95 % interval over supernet seeds: Student's t (as scipy computes it) and a seeded
+    percentile bootstrap that agrees with it on well-behaved data and is reproducible."""
+    stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(1)
+    xs = [0.45 + rng.gauss(0, 0.1) for _ in range(20)]
+    lo, hi = ranking.t_interval(xs)
+    want = stats.t.interval(0.95, len(xs) - 1, loc=sum(xs) / len(xs), scale=stats.sem(xs))
+    assert (lo, hi) == pytest.approx(want, abs=1e-3)
+    blo, bhi = ranking.bootstrap_interval(xs)
+    assert ranking.bootstrap_interval(xs) == (blo, bhi)  # seeded
+    assert lo < blo < sum(xs) / len(xs) < bhi < hi and (bhi - blo) == pytest.approx(hi - lo, rel=0.2)
+    # a df missing from the table takes the next lower one: never narrower than scipy's
+    ys = xs + xs[:3]  # 23 values: df 22, not in the table
+    lo, hi = ranking.t_interval(ys)
+    assert (hi - lo) / 2 >= stats.t.ppf(0.975, len(ys) - 1) * stats.sem(ys) > 0
+    assert all(v != v for v in ranking.t_interval([0.5]))  # nan below two values

@@ -53,7 +53,7 @@ def test_breakdown_kinds_sum_to_the_wall_time_and_rest_is_uncovered() -> None:
     assert r0["forward"] == pytest.approx(3.0) and r0["send"] == pytest.approx(1.0)
     assert r0["recv_wait"] == pytest.approx(3.0) and r0["backward"] == pytest.approx(2.0)
     assert r0["migrate"] == pytest.approx(2.0)
-    assert r0["optimizer"] == pytest.approx(1.5) and r0["other"] == pytest.approx(0.5)
+    assert r0["optimizer"] == pytest.approx(1.5) and r0["reduce"] == pytest.approx(0.5) and r0["other"] == 0.0
     assert r0["rest"] == pytest.approx(1.0)
     # rank 1 (starts at 1.0): uncovered 11-12 only
     assert r1["recv_wait"] == pytest.approx(5.0) and r1["forward"] == pytest.approx(2.0)
@@ -85,3 +85,15 @@ def test_predicted_breakdown_sums_to_the_makespan() -> None:
         assert row["forward"] == pytest.approx(4 * [1.0, 2.0][stage])
         assert row["backward"] == pytest.approx(4 * [2.0, 4.0][stage])
     assert rows[1]["recv_wait"] >= 1.5  # the last stage waits for the first forward and its send
+
+
+def test_predicted_breakdown_counts_priced_updates_and_their_reduction() -> None:
+    from pipeline.plan.admission import SubnetWork, sequential
+
+    sched = sequential(build("1f1b", 1, 2), [[frozenset({"a"})]])
+    work = SubnetWork((frozenset({"a"}),), (1.0,), (2.0,), (), (3.0,))
+    sim = simulate(sched, work=[work])
+    (row,) = predicted_breakdown(sim, reduce=[2.5])
+    assert row["forward"] == pytest.approx(2.0) and row["backward"] == pytest.approx(4.0)
+    assert row["optimizer"] == pytest.approx(0.5) and row["reduce"] == pytest.approx(2.5)
+    assert sum(row[k] for k in KINDS) == pytest.approx(sim.step_time) == pytest.approx(9.0)

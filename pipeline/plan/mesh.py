@@ -11,16 +11,26 @@ before it). The step ends when the last stage's reduction does. Reducing ``b`` b
 R - 1 others), ``2 (R - 1) (latency + b / bandwidth)``; in a ring all-reduce
 ``2 (R - 1) (latency + b / (R bandwidth))``. The pick maximises samples per second (the
 global batch over pipeline plus reduction), fewer stages on a tie. Pure: values in, values out.
+
+:func:`layout_options` is the chooser ``pipeline.stages=auto`` runs: it prices a sequence of
+real subnets (each partitioned over S stages, :class:`~pipeline.plan.admission.SubnetWork` with
+the runtime's costs, :mod:`pipeline.plan.overhead`) for every (S, R) and every window W, builds
+the schedule the runtime would run (flushed steps: :func:`~pipeline.plan.admission.sequential`;
+W > 1: :func:`~pipeline.plan.admission.cross_subnet`) and simulates it whole: seconds per
+subnet, updates, reductions and the subnets' collectives included.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .admission import SubnetWork, cross_subnet, sequential
 from .partition import PartitionProblem, solve, stage_work
+from .schedule import build as build_schedule
 from .simulate import simulate
 
-__all__ = ["MeshOption", "mesh_options", "recommend", "reduce_seconds"]
+__all__ = ["LayoutOption", "MeshOption", "layout_options", "meshes", "mesh_options", "recommend", "reduce_seconds",
+           "seconds_per_subnet", "pick"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +85,65 @@ def recommend(options: Sequence[MeshOption]) -> MeshOption:
     if not options:
         raise ValueError("pipeline.stages: no (stages, replicas) fits the world size and train.microbatches")
     return max(options, key=lambda o: (round(o.samples_per_s, 9), -o.stages))
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """One (S, R, W) and its predicted seconds per subnet (one training step)."""
+
+    stages: int
+    replicas: int
+    window: int
+    step_s: float
+    samples_per_s: float
+
+    def to_json(self) -> dict:
+        return {"stages": self.stages, "replicas": self.replicas, "window": self.window,
+                "step_ms": round(1e3 * self.step_s, 3), "samples_per_s": round(self.samples_per_s, 1)}
+
+
+def meshes(world: int, microbatches: int, max_stages: int) -> list[tuple[int, int]]:
+    """Every (S, R) with S x R = ``world``, R dividing ``microbatches``, S <= ``max_stages``."""
+    return [(s, world // s) for s in range(1, min(world, max_stages) + 1)
+            if world % s == 0 and microbatches % (world // s) == 0]
+
+
+def seconds_per_subnet(work: Sequence[SubnetWork], microbatches: int, window: int, schedule: str = "1f1b", *,
+                       frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(),
+                       delay: int = 0) -> float:
+    """The simulated makespan of ``work`` (subnets in training order, each over the same S
+    stages, ``microbatches`` each) run as the runtime runs it, per subnet: flushed steps of
+    ``schedule`` at ``window`` 1, the admission builder's cross-subnet schedule above."""
+    P = len(work[0].uses)
+    uses = [w.uses for w in work]
+    if window == 1:
+        sch = sequential(build_schedule(schedule, P, microbatches), uses, frozen=frozen, delayed=delayed, delay=delay)
+    else:
+        sch = cross_subnet(work, microbatches, window, frozen=frozen, delayed=delayed, delay=delay)
+    return simulate(sch, work=work).step_time / len(work)
+
+
+def layout_options(works: dict[tuple[int, int], Sequence[SubnetWork]], microbatches: int, batch_size: int,
+                   windows: Sequence[int] = (1,), schedule: str = "1f1b", *, frozen: frozenset[str] = frozenset(),
+                   delayed: frozenset[str] = frozenset(), delay: int = 0) -> list[LayoutOption]:
+    """Every (S, R) of ``works`` (its subnets' work, priced for that mesh: M / R micro-batches,
+    reductions over R) with every window in ``windows`` (one stage has no bubble to fill: S = 1
+    only with the smallest), by S then W."""
+    out = []
+    for (s, r), work in sorted(works.items()):
+        for w in sorted(set(windows)):
+            if s == 1 and w != min(windows):
+                continue
+            step = seconds_per_subnet(work, microbatches // r, w, schedule, frozen=frozen, delayed=delayed,
+                                      delay=delay)
+            out.append(LayoutOption(s, r, w, step, batch_size / step if step > 0 else float("inf")))
+    return out
+
+
+def pick(options: Sequence[LayoutOption]) -> LayoutOption:
+    """The option with the most samples per second; on a tie (within 1 %) fewer stages, then the
+    smaller window (fewer messages and less to go wrong for the same predicted speed)."""
+    if not options:
+        raise ValueError("pipeline.stages: no (stages, replicas) fits the world size and train.microbatches")
+    best = max(o.samples_per_s for o in options)
+    return min((o for o in options if o.samples_per_s >= 0.99 * best), key=lambda o: (o.stages, o.window))

@@ -1,0 +1,153 @@
+"""The layouts a user can pick by hand against the one ``pipeline.stages=auto`` picks, on this
+machine: the training time of the same run in each, alternating rounds, medians, one invocation.
+
+    flock -x /tmp/bench.lock .venv/bin/python bench/layouts.py [--rounds 2] [--spaces default transformer]
+        [--layouts one_process flushed window4 stages1 auto] [--name layouts] [--tree before=/tmp/old]
+
+``--tree NAME=PATH`` runs every layout in another source tree too (a ``git worktree`` of an
+older commit: the table before a change, in the same invocation), each layout's runs in the
+trees back to back, their order alternating by round.
+
+Each round runs every layout once (the order reversed every other round) on each space, from a
+fresh run directory, training only (``search=none``, no checkpoints, no monitor), and reads the
+run's own ``train_time_s`` (summary.json: training alone, no start-up): the default space for 300
+steps, the transformer (``space=transformer space.width=256 space.layers=8``) for 150. Layouts:
+``one_process`` (``python -m search threads=1``, the baseline), and under ``torchrun
+--nproc_per_node=2``: ``flushed`` (``pipeline.stages=2``, one flushed 1F1B step per subnet: the
+default before issue 23), ``window4`` (two stages, ``pipeline.window=4 pipeline.shared_ops=delayed``),
+``stages1`` (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
+pipeline.window=auto``: the layout chooser's pick, the default under torchrun). ``window4``
+reads shared ops one update late (other weights than the rest: the issue's table has it); the
+others compute the same weights.
+
+One JSON line per run (``"kind": "run"``: train time, the layout the run took, the chooser's
+prediction for ``auto``), and one per space (``"kind": "space"``): each layout's median train
+time and its speed-up over one process (the median of the per-round ratios), the best
+hand-picked layout and how far ``auto`` is from it. How much of two cores two processes got is
+measured at the start and the end (``bench/search_scaling.py``'s probe: 2.0 on two idle cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _spawn import emit, progress  # noqa: E402
+from search_scaling import two_processes_speedup  # noqa: E402
+
+COMMON = ["search=none", "train.checkpoint_every=0", "train.monitor_every=0", "threads=1", "train.tensorboard=false"]
+SPACES = {  # name: (overrides, steps)
+    "default": ([], 300),
+    "transformer": (["space=transformer", "space.width=256", "space.layers=8"], 150),
+}
+LAYOUTS = {  # name: (processes, overrides)
+    "one_process": (1, []),
+    "flushed": (2, ["pipeline.stages=2", "pipeline.window=1"]),
+    "window4": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed"]),
+    "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
+    "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
+}
+HAND_PICKED = ("one_process", "flushed", "window4", "stages1")
+
+
+def _env(tree: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT", "PYTHONPATH")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
+
+
+def _overrides(tree: Path, name: str) -> list[str]:
+    """A layout's overrides in ``tree``: a tree without the layout chooser (before issue 23's
+    parts 1-2) has no ``pipeline.window=auto``, its ``auto`` is ``pipeline.stages=auto`` alone."""
+    over = LAYOUTS[name][1]
+    if name == "auto" and "def choose_layout" not in (tree / "pipeline" / "layout.py").read_text():
+        over = [o for o in over if o != "pipeline.window=auto"]
+    return over
+
+
+def run_layout(out: Path, nproc: int, overrides: list[str], tree: Path = ROOT) -> dict[str, Any]:
+    launch = ([sys.executable, "-m", "search"] if nproc == 1 else
+              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "search"])
+    t0 = time.perf_counter()
+    proc = subprocess.run([*launch, *COMMON, *overrides, f"hydra.run.dir={out}"], cwd=tree, env=_env(tree),
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    layout = s.get("layout") or {}
+    return {"train_time_s": s["train_time_s"], "wall_s": round(wall, 2), "world_size": s["world_size"],
+            "steps": s["steps"], "final_loss": s["final_loss"], "params_digest": s["params_digest"],
+            "ran": {k: layout.get(k) for k in ("stages", "replicas", "window", "predicted_samples_per_s", "costs")},
+            "predicted": layout.get("options") or None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES))
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=None, help="steps on every space (default: 300 / 150)")
+    ap.add_argument("--name", default="layouts", help="bench/out/<name>.jsonl")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                    help="run every layout in this source tree too (e.g. before=/tmp/old: a git worktree), "
+                         "alternating with this one; rows carry the tree's name")
+    args = ap.parse_args(argv)
+    trees = {"this": ROOT, **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}}
+    capacity = [two_processes_speedup()]
+    rows: list[dict[str, Any]] = []
+    times: dict[tuple[str, str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="pipenas-layouts-") as tmp:
+        for r in range(args.rounds):
+            order = args.layouts if r % 2 == 0 else list(reversed(args.layouts))
+            tree_order = list(trees) if r % 2 == 0 else list(reversed(trees))
+            for space in args.spaces:
+                extra, steps = SPACES[space]
+                steps = args.steps or steps
+                for name in order:
+                    for tree in tree_order:
+                        nproc = LAYOUTS[name][0]
+                        res = run_layout(Path(tmp) / f"{tree}-{space}-{name}-{r}", nproc,
+                                         [*extra, f"train.steps={steps}", *_overrides(trees[tree], name)], trees[tree])
+                        times.setdefault((tree, space, name), []).append(res["train_time_s"])
+                        row = {"kind": "run", "tree": tree, "space": space, "layout": name, "round": r, **res}
+                        rows.append(row)
+                        progress(json.dumps({k: row[k] for k in ("tree", "space", "layout", "round", "train_time_s",
+                                                                 "ran")}))
+    capacity.append(two_processes_speedup())
+    for tree in trees:
+        for space in args.spaces:
+            base = times.get((tree, space, "one_process"))
+            summary: dict[str, Any] = {"kind": "space", "tree": tree, "space": space, "rounds": args.rounds,
+                                       "steps": args.steps or SPACES[space][1], "overrides": SPACES[space][0]}
+            for name in args.layouts:
+                t = times[(tree, space, name)]
+                summary[name] = {"train_time_s": round(statistics.median(t), 2), "by_round": t,
+                                 "speedup": (round(statistics.median(b / x for b, x in zip(base, t)), 3)
+                                             if base else None)}
+            hand = [n for n in HAND_PICKED if n in args.layouts]
+            if "auto" in args.layouts and hand:
+                best = min(hand, key=lambda n: summary[n]["train_time_s"])
+                summary["best_hand_picked"] = best
+                summary["auto_over_best"] = round(summary["auto"]["train_time_s"] / summary[best]["train_time_s"], 3)
+            mine = [row for row in rows if row["tree"] == tree and row["space"] == space and row["layout"] == "auto"]
+            summary["auto_picked"] = [row["ran"] for row in mine]
+            summary["auto_predicted"] = mine[-1]["predicted"] if mine else None
+            rows.append(summary)
+    rows.append({"kind": "machine", "cpus": os.cpu_count(),
+                 "two_processes_speedup": {"start": capacity[0], "end": capacity[1]}})
+    emit(args.name, rows)
+
+
+if __name__ == "__main__":
+    main()
