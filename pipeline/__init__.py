@@ -51,10 +51,6 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
                                delay_compensation=compensation)
     from .runtime import PipelineEngine
 
-    engine = PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
-                            trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every,
-                            sample_shape=sample_shape, batch_size=batch_size, clip_grad_norm=clip_grad_norm)
-    # pipeline.delay_compensation: the same rule the reference runs, on the one SharedOps that
-    # the engine's executor and migrator hold (set before any subnet runs)
-    engine.shared.compensate(*compensation)
-    return engine
+    return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,
+                          trace_steps=trace_steps, memory=memory, checkpoint_every=checkpoint_every,
+                          sample_shape=sample_shape, batch_size=batch_size, clip_grad_norm=clip_grad_norm)

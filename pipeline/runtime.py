@@ -202,9 +202,10 @@ class PipelineEngine:
                                         runtime=self.runtime_costs, replicas=self.replicas)
         offset = self.mesh.microbatches(microbatches).start  # this replica's first micro-batch
         self._last_arch: Arch | None = None  # the subnet of the last training step
-        # shared ops read exactly, late or frozen (several subnets in flight need one of the last two)
+        # shared ops read exactly, late or frozen (several subnets in flight need one of the last two);
+        # a delayed op's compensation (pipeline.delay_compensation) is the reference's rule
         self.shared = SharedOps(settings.shared_ops, settings.shared_delay, shared_ops_of(graph), checkpoint_every,
-                                self.tensors.module)
+                                self.tensors.module, settings.delay_compensation, settings.delay_compensation_coef)
         self.migrator = Migrator(me, self.owners, self.tensors, self.transport, self.shared)
         # clipping waits for every stage's gradient norm at each update: flushed steps only (the
         # combination table, pipeline/combinations.py, refuses it with cross-subnet schedules)
