@@ -114,7 +114,8 @@ def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: flo
     F = in_flight_bound(P, M, window)
     T = len(stream.work)
     ratio = max(grads[op] / state[op] for op in stream.space.stateful if state[op])
-    out: dict = {"budget": budget, "state": state, "grads": grads, "capacity": [], "acts": [], "grads_reserve": [],
+    out: dict = {"budget": budget, "state": state, "grads": grads, "capacity": [0] * P, "acts": [0.0] * P,
+                 "grads_reserve": [0.0] * P,
                  "added": [[0.0] * T for _ in range(P)], "swap": [[0.0] * T for _ in range(P)],
                  "peer": [[0.0] * T for _ in range(P)], "held_for_pair": [0.0] * P,
                  "recomputed": 0, "swapped": 0, "peered": 0, "op_uses": 0, "peer_bw": peer_bw}
@@ -145,12 +146,11 @@ def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: flo
         own_need = budget - goal_rest if holds else max(p[4] for p in per)  # a holder lends the rest
         acts = max(min(own_need, budget - goal_rest), max(p[5] for p in per))
         capacity = int(arena_of(budget - acts))
-        out["grads_reserve"].append(budget - acts - capacity)
+        out["grads_reserve"][s] = budget - acts - capacity
         if capacity < largest:
             return {**out, "infeasible": f"stage {s}: the arena ({capacity / 1e9:.2f} GB) cannot hold its largest "
                                           f"subnet ({largest / 1e9:.2f} GB) beside the activations' floor"}
-        out["capacity"].append(capacity)
-        out["acts"].append(acts)
+        out["capacity"][s], out["acts"][s] = capacity, acts
         giver = peer_bw is not None and gives(s, P)
         for t, (costs, inputs, cut, pinned, keep, floor) in enumerate(per):
             out["op_uses"] += len(costs)
@@ -175,10 +175,6 @@ def memory_split(stream: Stream, window: int, oversub: float, arena_subnets: flo
             out["recomputed"] += plan.choices.count("recompute")
             out["swapped"] += plan.choices.count("swap")
             out["peered"] += plan.choices.count(PEER)
-    if peer_bw is not None:  # back in stage order
-        order = list(holders_first)
-        for key in ("capacity", "acts", "grads_reserve"):
-            out[key] = [v for _, v in sorted(zip(order, out[key]))]
     return out
 
 

@@ -259,10 +259,7 @@ class StageExecutor:
         """This stage's part of an evaluation of the slices ``mine`` belongs to (collective over
         the stages; the module doc): the live ops, the same result on every rank. ``transport``:
         the evaluation's channel (not the schedule's, whose next receives may be posted)."""
-        last, me, tr = num_stages - 1, self.rank, transport
-
-        def module(op: str) -> nn.Module:
-            return self.tensors.module(op)
+        last, me, tr, module = num_stages - 1, self.rank, transport, self.tensors.module
 
         def stream(batches: list, training: bool, on_output) -> None:
             if not batches:

@@ -35,12 +35,13 @@ import torch.distributed as dist
 
 from .wire import TensorSpec
 
-__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError", "peer_errors", "wait_for"]
+__all__ = ["Transport", "PostedRecv", "TransportError", "PeerError", "peer_errors", "wait_for", "WIRE_DTYPES", "DTYPE_CODE"]
 
 _HEADER = 64
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+# the dtypes a message header can name, by code (the peer tier's headers use the same codes)
+WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+               torch.int16, torch.int8, torch.uint8, torch.bool)
+DTYPE_CODE = {dt: i for i, dt in enumerate(WIRE_DTYPES)}
 
 
 class TransportError(RuntimeError):
@@ -169,9 +170,9 @@ class Transport:
             if t is None:
                 words.append(-1)
                 continue
-            if t.dtype not in _CODE:
-                raise TransportError(f"cannot send dtype {t.dtype}; supported: {_DTYPES}")
-            words += [_CODE[t.dtype], t.dim(), *t.shape]
+            if t.dtype not in DTYPE_CODE:
+                raise TransportError(f"cannot send dtype {t.dtype}; supported: {list(WIRE_DTYPES)}")
+            words += [DTYPE_CODE[t.dtype], t.dim(), *t.shape]
             bufs.append(t.detach().to(self.device).contiguous())  # state exported from host memory: to the wire's device (NCCL)
         if pack:
             bufs = [torch.cat([b.reshape(-1) for b in bufs if b.dtype == dt]) for dt in _dtypes_in_order(bufs)]
@@ -229,7 +230,7 @@ class Transport:
                 i += 1
                 continue
             ndim = words[i + 1]
-            specs.append((_DTYPES[words[i]], words[i + 2 : i + 2 + ndim]))
+            specs.append((WIRE_DTYPES[words[i]], words[i + 2 : i + 2 + ndim]))
             i += 2 + ndim
         posted: list[tuple[dist.Work, torch.Tensor]] = []
 

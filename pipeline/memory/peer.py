@@ -1,6 +1,6 @@
 """The peer tier at run time: a stage hands saved activations to its paired stage and gets them back (BPipe).
 
-Stage ``s`` and stage ``P - 1 - s`` are a pair (:func:`pipeline.plan.activations.pair_of`); the
+Stage ``s`` and stage ``P - 1 - s`` are a pair (:func:`pipeline.plan.pairs.pair_of`); the
 earlier one *gives* (:class:`PeerClient`, driven by the saved-tensor hooks of
 :mod:`supernet.activations`), the later one *holds* (:class:`PeerServer`, a thread that serves
 its giver's requests while its own stage computes: a holder busy in its own schedule must still
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.pairs import gives, pair_of
-from ..transport import PeerError, TransportError, peer_errors
+from ..transport import DTYPE_CODE, WIRE_DTYPES, PeerError, TransportError, peer_errors, wait_for
 from .settings import MemorySettings
 
 __all__ = ["PeerClient", "PeerServer", "PeerTier", "PeerHandle", "open_peer", "peer_needed"]
@@ -62,9 +62,6 @@ log = logging.getLogger(__name__)
 _HEADER = 12  # kind, key, dtype code, ndim, up to 8 sizes
 _MAX_DIMS = _HEADER - 4
 PUT, GET, DROP, CLOSE = 1, 2, 3, 4
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _IDLE = datetime.timedelta(days=7)  # the holder's wait for its giver's next header (module doc)
 
 
@@ -79,7 +76,7 @@ def peer_needed(memory: MemorySettings | None, num_stages: int, world_size: int)
 
 def sendable(t: torch.Tensor) -> bool:
     """Whether the tier can carry ``t`` (its dtype has a code and its shape fits a header)."""
-    return t.dtype in _CODE and t.dim() <= _MAX_DIMS
+    return t.dtype in DTYPE_CODE and t.dim() <= _MAX_DIMS
 
 
 class PeerHandle:
@@ -131,19 +128,13 @@ class _Groups:
             with peer_errors(what, self.pair):
                 work.wait()
             return
-        timeout = self.timeout if timeout is None else timeout
-        try:
-            ok = work.wait(timeout)
-        except RuntimeError as e:
-            raise PeerError(self.pair, what, str(e).strip().splitlines()[0][:300] if str(e).strip() else e) from e
-        if ok is False:
-            raise PeerError(self.pair, what, f"no answer within {timeout.total_seconds():g} s")
+        wait_for(work, self.timeout if timeout is None else timeout, what, self.pair)
 
     def header(self, kind: int, key: int = 0, t: torch.Tensor | None = None) -> torch.Tensor:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[0], h[1] = kind, key
         if t is not None:
-            h[2], h[3] = _CODE[t.dtype], t.dim()
+            h[2], h[3] = DTYPE_CODE[t.dtype], t.dim()
             h[4:4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return h
 
@@ -262,7 +253,7 @@ class PeerServer:
                     if kind == CLOSE:
                         break
                     if kind == PUT:
-                        buf = torch.empty([int(v) for v in h[4:4 + ndim]], dtype=_DTYPES[code], device=self.g.device)
+                        buf = torch.empty([int(v) for v in h[4:4 + ndim]], dtype=WIRE_DTYPES[code], device=self.g.device)
                         self.g.wait(self.g.post("irecv", buf, self.g.data), "receiving activations from", data=True)
                         self.store[key] = buf
                         self.held_bytes += buf.numel() * buf.element_size()

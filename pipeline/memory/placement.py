@@ -60,6 +60,11 @@ class OpPlacement:
             self._host_views = [slot.view(self.host) for slot in self.layout.slots]
         return self._host_views
 
+    def _at_home(self, slot, buf: torch.Tensor) -> bool:
+        """Whether ``slot``'s bytes are in the host home while the op lives in ``buf``: all of
+        them when ``buf`` is the home; the optimizer state of an op updated on the host always."""
+        return buf is self.host or (slot.kind == "optim" and self.optim_on_host)
+
     def point(self, buf: torch.Tensor, base: int) -> None:
         """Make the module's tensors and its optimizer state views of ``buf`` from ``base``
         (the optimizer state of an op updated on the host stays in its host home: once every
@@ -71,10 +76,7 @@ class OpPlacement:
         for i, slot in enumerate(self.layout.slots):
             if slot.kind == "optim" and skip_optim:
                 continue
-            if on_host or (slot.kind == "optim" and self.optim_on_host):
-                view = host[i]
-            else:
-                view = slot.view(buf, base)
+            view = host[i] if self._at_home(slot, buf) else slot.view(buf, base)
             if slot.kind == "param":
                 self.params[slot.index].data = view
             elif slot.kind == "buffer":
@@ -122,13 +124,12 @@ class OpPlacement:
         there: from the module and optimizer as built, or from a flat ``state`` (as exported),
         which overrides them."""
         params = self.params
-        at_home = buf is self.host
         homes = self.host_views()
 
         def target(i: int, slot) -> torch.Tensor:
-            return homes[i] if at_home or (slot.kind == "optim" and self.optim_on_host) else slot.view(buf, base)
+            return homes[i] if self._at_home(slot, buf) else slot.view(buf, base)
 
-        if self.layout.nbytes and at_home:
+        if self.layout.nbytes and buf is self.host:
             self.host.zero_()  # (an arena region's padding is never read)
         with torch.no_grad():
             for i, slot in enumerate(self.layout.slots):
@@ -158,17 +159,15 @@ class OpPlacement:
         """The op's flat state read from where it lives in ``buf`` from byte ``base`` (its host
         home, or its arena region while resident: the optimizer state of an op updated on the
         host is read from its home): copies or views."""
-        at_home = buf is self.host
+        def view(slot) -> torch.Tensor:
+            return slot.view(self.host) if self._at_home(slot, buf) else slot.view(buf, base)
+
         state: OpState = {}
-        by_key = {slot.key: (i, slot) for i, slot in enumerate(self.layout.slots)}
+        by_key = {slot.key: slot for slot in self.layout.slots}
         for slot in self.layout.slots:
             if slot.kind != "optim":
-                state[slot.key] = slot.view(self.host) if at_home else slot.view(buf, base)
+                state[slot.key] = view(slot)
         for key, t in optim_tensors(self.params, self.opt):
-            found = by_key.get(key)  # slotted state lives in its slot; scalars where torch keeps them
-            if found is None:
-                state[key] = t.detach()
-            else:
-                i, slot = found
-                state[key] = self.host_views()[i] if at_home or self.optim_on_host else slot.view(buf, base)
+            slot = by_key.get(key)  # slotted state lives in its slot; scalars where torch keeps them
+            state[key] = (view(slot) if slot is not None else t).detach()
         return {k: t.clone() for k, t in state.items()} if copy else state
