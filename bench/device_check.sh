@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# The device checks, ready for the day a GPU is lent (one short script; ~5 min on an H100):
+# The device checks, ready for the day a GPU is lent (one short script, about 5 minutes):
 # the CUDA-only tests (the copier with real streams and events, the budgeted store bit-identical
-# to all-resident on the GPU, CUDA synchronisation, the README's CUDA command), then the copy
-# engine's streams. Figures go to $OUT (or bench/out) as JSON lines; paste them into
-# bench/RESULTS.md with the date and the device.
+# to all-resident on the GPU, CUDA synchronisation, the README's CUDA command), the copy
+# engine's streams, where a CUDA run's bits come from (bench/cuda_bits.py), and the tensor manager on real runs (budget against all-resident on the GPU).
+# Figures go to $OUT (or bench/out) as JSON lines; paste them into bench/RESULTS.md with the date
+# and the device.
 #
 #   bash bench/device_check.sh            # on the GPU machine, from the repository root
+#
+# A machine with no package index: put the wheels of what its Python lacks (hydra-core, omegaconf,
+# antlr4-python3-runtime) in .whl/ and carry it; they are installed into /tmp/site.
 set -u
 out="${OUT:-bench/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -c "import torch, networkx, hydra" 2>/dev/null || python3 -m pip install -q -e '.[test]'
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_sync.py tests/test_memory.py -k "cuda" 2>&1 \
-  | tee "$out/cuda_tests.log" | tail -15
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_readme.py -k "cuda" 2>&1 | tee -a "$out/cuda_tests.log" | tail -5
-python3 bench/copy_streams.py --ops 16 --mb 64 --repeats 5 2>&1 | tee "$out/copy_streams.jsonl"
+if ! python3 -c "import torch, networkx, hydra" 2>/dev/null; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  else
+    python3 -m pip install -q -e '.[test]'
+  fi
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } \
+  2>&1 | tee "$out/device.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_sync.py tests/test_memory.py tests/test_readme.py \
+  -k "cuda" 2>&1 | tee "$out/cuda_tests.log" | tail -15
+timeout 150 python3 bench/cuda_bits.py 2>&1 | tee "$out/cuda_bits.jsonl"
+timeout 60 python3 bench/copy_streams.py --ops 16 --mb 64 --repeats 5 2>&1 | tee "$out/copy_streams.jsonl"
+timeout "${VTM_TIMEOUT:-150}" python3 bench/vtm_cpu.py --device cuda --rounds 2 2>&1 | grep '^{' | tee "$out/vtm_cuda.jsonl"

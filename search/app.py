@@ -49,6 +49,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import supernet.spaces  # noqa: F401 - registers the built-in spaces and their ops
 from pipeline import Engine, create_engine, dist_env, params_digest
+from pipeline.determinism import use_deterministic_kernels
+from pipeline.engine import engine_device
 from pipeline.failures import parse_fault
 from pipeline.layout import Layout, LayoutError, resolve_layout
 from pipeline.stop import StopVote
@@ -103,6 +105,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     config, the data and the space it names, the run directory (``output_dir``, else the config's
     ``output_dir``, else Hydra's; ``output_field`` names it in errors) and the checkpoint there."""
     rc = load_config(cfg)
+    use_deterministic_kernels(engine_device(rc.device), rc.deterministic)  # before any CUDA work
     if output_dir is None and rc.output_dir is not None:
         output_dir = rc.output_dir
     out = _output_dir(output_dir)
@@ -131,7 +134,6 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
         _check_resumable(ckpt, ckpt_file, tdigest, fields, rc)
     # a run that resumes its own checkpoint ignores train.init_from: the checkpoint holds the weights
     init = read_init_from(rc.train.init_from, graph, read=ckpt is None) if rc.train.init_from is not None else None
-    from pipeline.engine import engine_device
     from pipeline.feasibility import check_memory
 
     try:  # budgets the engine would stop on, from the subnets this run trains (steps from the checkpoint on)

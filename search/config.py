@@ -137,6 +137,7 @@ class RunConfig:
     search: SearchConfig
     pipeline: PipelineSettings
     memory: MemorySettings = MemorySettings()
+    deterministic: bool = True
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -409,11 +410,12 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     threads = root.int("threads", None, minimum=1, optional=True)
     output_dir = root.str("output_dir", None, optional=True)
     resume = root.bool("resume", True)
+    deterministic = root.bool("deterministic", True)
     space, data = _target(root, "space"), _target(root, "data")
     sampler = _sampler(root)
     run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
                     space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),
-                    pipeline=_pipeline(root), memory=_memory(root))
+                    pipeline=_pipeline(root), memory=_memory(root), deterministic=deterministic)
     late = [s for s in run.pipeline.trace_steps if s >= run.train.steps]
     if late:
         raise ConfigError(f"pipeline.trace_steps: expected steps below train.steps ({run.train.steps}), found {late}")

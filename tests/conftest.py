@@ -7,6 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.determinism import use_deterministic_kernels
+
+if torch.cuda.is_available():  # the same bits run after run on the GPU too, as the app's runs get
+    use_deterministic_kernels("cuda")
+
 
 @pytest.fixture(autouse=True)
 def deterministic() -> None:

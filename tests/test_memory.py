@@ -65,11 +65,11 @@ def reference(space: str, optim: str) -> dict:
     return run(space, optim, None)
 
 
-def tight_budget(space: str, optim: str, steps: int = STEPS, optimizer: str = "device") -> int:
+def tight_budget(space: str, optim: str, steps: int = STEPS, optimizer: str = "device", device: str = "cpu") -> int:
     """The smallest budget this run can use: the largest footprint of its steps' subnets (with
-    the optimizer state on the device unless ``optimizer`` says otherwise)."""
+    the optimizer state on the device unless ``optimizer`` says otherwise; ``device``'s alignment)."""
     graph = build_graph(space)
-    tm = TensorManager(graph, 0, optim_of(optim), memory=MemorySettings(optimizer=optimizer))
+    tm = TensorManager(graph, 0, optim_of(optim), device, memory=MemorySettings(optimizer=optimizer))
     return max(tm.footprint(op.op_id for op in graph.active_ops(a)) for a in arch_stream(graph, 0, steps + 1))
 
 
@@ -303,11 +303,17 @@ def test_slots_alias_the_buffer_without_sharing_its_version_counter() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_budget_is_bit_identical_to_resident(no_static_check) -> None:
+@pytest.mark.parametrize("optim,placement", [("adamw", "device"), ("sgd", "hybrid"), ("adamw", "hybrid")])
+def test_cuda_budget_is_bit_identical_to_resident(optim: str, placement: str, no_static_check) -> None:
+    """On the GPU (deterministic kernels, tests/conftest.py) a budget computes all-resident's bits
+    wherever the update runs on the device, and with SGD wherever it runs. AdamW's update on the
+    host (``host``/``hybrid`` placement) is the CPU's kernel, which rounds differently from the
+    GPU's (bench/cuda_bits.py): there the run agrees to float precision, not to the bit."""
     graph = build_graph("conv")
     outs = []
-    for mem in (None, MemorySettings(device_budget_bytes=tight_budget("conv", "adamw"))):
-        e = ReferenceEngine(graph, 0, optim_of("adamw"), 4, LrSchedule(3e-3, STEPS), "cuda", memory=mem)
+    budget = tight_budget("conv", optim, optimizer=placement, device="cuda")
+    for mem in (None, MemorySettings(device_budget_bytes=budget, optimizer=placement)):
+        e = ReferenceEngine(graph, 0, optim_of(optim), 4, LrSchedule(optim_of(optim).lr, STEPS), "cuda", memory=mem)
         archs = arch_stream(graph, 0, STEPS + 1)
         losses = []
         for s in range(STEPS):
@@ -315,7 +321,10 @@ def test_cuda_budget_is_bit_identical_to_resident(no_static_check) -> None:
             losses.append(e.train_step(s, archs[s], *step_data(0, s, 16)).loss)
         outs.append((losses, params_digest(e.op_states())))
         e.close()
-    assert outs[0] == outs[1]
+    if optim == "adamw" and placement != "device":  # rounding apart (5e-4 after 5 steps on an H200), no mix-up
+        assert outs[0][0][0] == outs[1][0][0] and outs[0][0] == pytest.approx(outs[1][0], rel=1e-2)
+    else:
+        assert outs[0] == outs[1]
 
 
 def test_a_budget_as_a_fraction_of_free_cuda_memory() -> None:
