@@ -64,6 +64,11 @@ class StepResult:
     migrated_bytes: int = 0
     memory: MemoryStats | None = None  # the tensor manager's counters for this step (this rank)
     migration_s: float = 0.0  # this rank's time moving ops on the step's critical path
+    # this rank's saved activations (memory.activations): bytes swapped to host memory, op
+    # forwards recomputed in the backward, bytes handed to the paired stage (the peer tier)
+    swapped_bytes: int = 0
+    recomputed_ops: int = 0
+    peered_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,14 @@ def activation_policy(choices: Mapping[str, str] | None, peer=None) -> Activatio
     if not choices or all(c == "keep" for c in choices.values()):
         return None
     return ActivationPolicy(choices, peer=peer)
+
+
+def policy_counts(policy: ActivationPolicy | None) -> dict[str, int]:
+    """What ``policy`` did with a step's saved activations, as :class:`StepResult` counts them."""
+    if policy is None:
+        return {"swapped_bytes": 0, "recomputed_ops": 0, "peered_bytes": 0}
+    return {"swapped_bytes": policy.swapped_bytes, "recomputed_ops": policy.recomputed_ops,
+            "peered_bytes": policy.peered_bytes}
 
 
 def split_batch(x: torch.Tensor, y: torch.Tensor, microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

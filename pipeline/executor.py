@@ -49,7 +49,7 @@ from torch import nn
 
 from supernet import Slice, SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
 
-from .engine import EvalResult, activation_policy, recalibrated_bn, update
+from .engine import EvalResult, activation_policy, policy_counts, recalibrated_bn, update
 from .failures import FailureReporter
 from .lookahead import Plan
 from .memory import MemoryStats
@@ -94,8 +94,15 @@ class SegmentRun:
     moved_wait_s: list[float] = field(default_factory=list)  # per subnet: waiting here for the ops it moved in
     memory: list[MemoryStats | None] = field(default_factory=list)  # per subnet: the tensor manager's counters
     max_in_flight: int = 0
-    swapped_bytes: int = 0
-    recomputed_ops: int = 0
+    activations: list[dict[str, int]] = field(default_factory=list)  # per subnet: its policy's counts
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(a.get("swapped_bytes", 0) for a in self.activations)
+
+    @property
+    def recomputed_ops(self) -> int:
+        return sum(a.get("recomputed_ops", 0) for a in self.activations)
 
 
 # A stage's clipping for one subnet's update: (step, plan) -> the clip callable, or None
@@ -248,10 +255,7 @@ class StageExecutor:
         with self.failures.failing(seg.steps[-1], "flush"):
             tr.flush()
             st.flush()
-        for policy in policies:
-            if policy is not None:
-                stats.swapped_bytes += policy.swapped_bytes
-                stats.recomputed_ops += policy.recomputed_ops
+        stats.activations = [policy_counts(policy) for policy in policies]
         return [v if v is not None else () for v in values], stats
 
     @torch.no_grad()

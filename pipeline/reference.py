@@ -21,7 +21,7 @@ import torch
 from supernet import Arch, SliceRun, SupernetGraph, classification_loss, op_contexts
 from supernet.execute import whole_slice
 
-from .engine import (EvalResult, GradClip, LrSchedule, StepResult, activation_policy, calibrate,
+from .engine import (EvalResult, GradClip, LrSchedule, StepResult, activation_policy, calibrate, policy_counts,
                      graph_has_batchnorm, recalibrated_bn, score_batches, split_batch, step_by_step, update)
 from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .memory.sizing import check_largest_subnet
@@ -120,7 +120,8 @@ class ReferenceEngine:
             clip = (lambda mods: self._clip(mods, self.device)) if self._clip is not None else None  # noqa: E731
             update(self.tensors, stepped, self.lr(step), losses, clip)  # nothing changes when a loss is not finite
         mem = self.tensors.release_step()
-        return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem)
+        return StepResult(step, arch, float(sum(losses)), tuple(losses), time.perf_counter() - t0, memory=mem,
+                          **policy_counts(policy))
 
     def train_steps(self, items: Sequence[tuple[int, Arch, torch.Tensor, torch.Tensor]],
                     upcoming: Sequence[Arch] = ()) -> list[StepResult]:

@@ -471,7 +471,7 @@ class PipelineEngine:
         st.migration_s = sum(run.moved_wait_s)
         st.swapped_bytes, st.recomputed_ops = run.swapped_bytes, run.recomputed_ops
         return [StepResult(step, arch, float(sum(v)), v, wall / len(steps), moves[t], run.moved_bytes[t],
-                           memory=run.memory[t], migration_s=run.moved_wait_s[t])
+                           memory=run.memory[t], migration_s=run.moved_wait_s[t], **run.activations[t])
                 for t, (step, arch, v) in enumerate(zip(steps, archs, values))]
 
     def _ready_plans(self, upcoming: Sequence[Arch]) -> Sequence[Plan]:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from .evolution import SubnetCost
 
-__all__ = ["METRICS_NAME", "CSV_NAME", "TB_DIR", "MEMORY_FIELDS", "STEP_FIELDS", "MetricsWriter", "Monitor",
+__all__ = ["METRICS_NAME", "CSV_NAME", "TB_DIR", "MEMORY_FIELDS", "ACTIVATION_FIELDS", "STEP_FIELDS", "MetricsWriter", "Monitor",
            "reference_archs", "tensorboard_available"]
 
 METRICS_NAME = "metrics.jsonl"
@@ -45,9 +45,11 @@ CSV_NAME = "metrics.csv"
 TB_DIR = "tb"
 # the tensor manager's per-step counters (null when it reports none)
 MEMORY_FIELDS = ("resident_bytes_peak", "fetched_bytes", "written_back_bytes", "hit_rate", "stall_s")
+# this rank's saved activations per step (memory.activations): swapped, recomputed, peered
+ACTIVATION_FIELDS = ("swapped_bytes", "recomputed_ops", "peered_bytes")
 # a step record's keys, in the order written (the CSV's first columns)
 STEP_FIELDS = ("step", "arch", "loss", "lr", "samples_per_s", "seconds", "migrated_ops", "migrated_bytes",
-               "migration_s", *MEMORY_FIELDS, "nonfinite")
+               "migration_s", *MEMORY_FIELDS, *ACTIVATION_FIELDS, "nonfinite")
 TB_FLUSH_S = 2.0  # TensorBoard's writer thread flushes at least this often: a watcher sees the run live
 
 
@@ -157,7 +159,7 @@ def _cells(rec: Mapping[str, Any]) -> dict[str, Any]:
 def _tag(key: str) -> str:
     if key.startswith("monitor"):  # monitor/<name>, monitor_s
         return key if "/" in key else f"monitor/{key}"
-    return f"memory/{key}" if key in MEMORY_FIELDS else f"train/{key}"
+    return f"memory/{key}" if key in MEMORY_FIELDS or key in ACTIVATION_FIELDS else f"train/{key}"
 
 
 def _first(batches: Sequence[Any], n: int) -> list[Any]:

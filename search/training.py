@@ -23,7 +23,7 @@ from pipeline.stop import StopVote
 from .checkpoint import CHECKPOINT_NAME, Checkpoint, save_checkpoint
 from .config import RunConfig
 from .interrupt import Interrupted, Interrupts
-from .metrics import MEMORY_FIELDS, MetricsWriter, Monitor, reference_archs
+from .metrics import ACTIVATION_FIELDS, MEMORY_FIELDS, MetricsWriter, Monitor, reference_archs
 from .samplers import Sampler
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ def train_supernet(rc: RunConfig, engine: Engine, sampler: Sampler, data: Any, o
                 "samples_per_s": t.batch_size / res.seconds if res.seconds > 0 else None,
                 "seconds": res.seconds, "migrated_ops": res.migrated_ops, "migrated_bytes": res.migrated_bytes,
                 "migration_s": res.migration_s, **memory_fields(res.memory),
+                **{k: getattr(res, k) for k in ACTIVATION_FIELDS},
                 **({"nonfinite": t.nonfinite} if bad is not None else {}),
             }, hold=hold)
             bar.update(1)

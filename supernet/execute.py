@@ -168,13 +168,17 @@ class SliceRun:
         module: Callable[[str], nn.Module],
         ctx: Callable[[str], OpContext],
         policy: ActivationPolicy | None = None,
+        split: bool = False,
     ) -> None:
         # ``policy``: per op, keep, swap or recompute its saved activations (None: keep all)
+        # ``split``: the backward is split in two (see :meth:`backward`)
         self.slice = sl
+        self.split = split
         self._module = module
         self._ctx = ctx
         self._policy = policy
-        self._record: tuple[list[torch.Tensor | None], list[torch.Tensor]] | None = None
+        self._record: tuple[list[torch.Tensor | None], list[torch.Tensor], list[tuple[torch.Tensor, list]]] | None = None
+        self._weights: list[tuple[torch.Tensor, torch.Tensor | None, list[nn.Parameter]]] | None = None
 
     def forward(self, inputs: Sequence[torch.Tensor], grad: bool = True) -> list[torch.Tensor]:
         sl = self.slice
@@ -203,6 +207,7 @@ class SliceRun:
             return stack.pop() if stack else env[nd]
 
         leaves = [_leaf(nd, t) for nd, t in zip(sl.inputs, inputs)]
+        weighted: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # (op output, op's trainable params)
         with torch.enable_grad():
             for nd, t, lf in zip(sl.inputs, inputs, leaves):
                 bind(nd, lf if lf is not None else t)
@@ -215,32 +220,80 @@ class SliceRun:
                     for j in link_args:
                         if args[j].requires_grad and not contiguous[j]:
                             args[j].register_hook(_contiguous)
-                out = run_with_policy(self._module(op.op_id), args, self._ctx(op.op_id), self._policy)
+                module = self._module(op.op_id)
+                out = run_with_policy(module, args, self._ctx(op.op_id), self._policy)
+                if self.split and out.requires_grad:
+                    params = [p for p in module.parameters() if p.requires_grad]
+                    if params:
+                        weighted.append((out, params))
                 bind(op.node, out)
             outs = [take(nd) for nd in sl.outputs]
-        self._record = (leaves, outs)
+        self._record = (leaves, outs, weighted)
         return outs
 
     def backward(self, out_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Backward through the slice given the gradients of its outputs; returns the
-        gradients of its inputs (``None`` where no gradient flows). Frees the record."""
-        leaves, outs = self._take_record()
+        gradients of its inputs (``None`` where no gradient flows). Frees the record.
+
+        A ``split`` run computes only the input gradients here (B of a split backward, on the
+        critical path); the weight gradients wait for :meth:`backward_weight` (W), which frees
+        the record."""
+        leaves, outs, weighted = self._take_record()
         roots = [(o, g) for o, g in zip(outs, out_grads) if g is not None and o.requires_grad]
-        if roots:
-            torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
-        return [None if lf is None else lf.grad for lf in leaves]
+        return self._backward([o for o, _ in roots], [g for _, g in roots], leaves, weighted)
 
     def backward_loss(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
         """Backward from a loss computed on this slice's outputs (the last stage): the loss
-        is part of the slice's graph, so this is the one autograd call of the micro-batch."""
-        leaves, _ = self._take_record()
-        torch.autograd.backward(loss)
+        is part of the slice's graph, so this is the one autograd call of the micro-batch
+        (split: as in :meth:`backward`)."""
+        leaves, _, weighted = self._take_record()
+        return self._backward([loss], [None], leaves, weighted)
+
+    def _backward(self, roots: list[torch.Tensor], grads: list, leaves: list,
+                  weighted: list) -> list[torch.Tensor | None]:
+        if not self.split:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            return [None if lf is None else lf.grad for lf in leaves]
+        # B: the gradients of the slice's inputs and of every op output that has weights behind
+        # it, nothing of the weights (autograd skips the weight-gradient kernels no input needs).
+        # Each op's output gradient is caught by a hook that runs after the op's own hooks, so it
+        # is the gradient that op's backward starts from in the whole backward.
+        caught: dict[int, torch.Tensor] = {}
+        hooks = [out.register_hook(lambda g, i=i: caught.__setitem__(i, g)) for i, (out, _) in enumerate(weighted)]
+        wanted = [lf for lf in leaves if lf is not None] + [out for out, _ in weighted]
+        try:
+            if roots and wanted:
+                torch.autograd.backward(roots, grads, inputs=wanted, retain_graph=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        for out, _ in weighted:
+            out.grad = None  # accumulated there as an input of the call above: the hook has it
+        self._weights = [(out, caught.get(i), params) for i, (out, params) in enumerate(weighted)]
         return [None if lf is None else lf.grad for lf in leaves]
 
+    def backward_weight(self) -> None:
+        """W of a split backward: each op's weight gradients from the output gradient B caught,
+        op by op in reverse order (the whole backward's), each one autograd call that reaches
+        only that op's weights; then frees the record. The kernels and their inputs are the
+        whole backward's, so the gradients are its bits."""
+        if self._weights is None:
+            raise SupernetError("slice weight backward: no split backward (SliceRun(split=True), backward) to finish")
+        weights, self._weights = self._weights, None
+        for out, g, params in reversed(weights):
+            if g is not None:
+                torch.autograd.backward([out], [g], inputs=params)
+        self._record = None
+
     def _take_record(self):
-        if self._record is None:
-            raise SupernetError("slice backward: no forward with grad=True to go back through")
-        record, self._record = self._record, None
+        if self._record is None or self._weights is not None:
+            raise SupernetError("slice backward: no forward with grad=True to go back through"
+                                if self._record is None else
+                                "slice backward: this forward's split backward waits for its backward_weight")
+        record = self._record
+        if not self.split:
+            self._record = None
         return record
 
 

@@ -66,3 +66,13 @@ def test_an_infeasible_budget_stops_the_run_with_the_shortfall(tmp_path: Path) -
     with pytest.raises(ConfigError, match=r"memory\.device_budget_bytes: .* short by \d+ bytes"):
         run(cfg("memory.device_budget_bytes=1000"), output_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_metrics_count_the_saved_activations_swapped_and_recomputed(tmp_path: Path) -> None:
+    for mode, key in (("swap", "swapped_bytes"), ("recompute", "recomputed_ops"), ("keep", None)):
+        run(cfg("train.steps=3", f"memory.activations={mode}"), output_dir=tmp_path / mode)
+        lines = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        # (recompute swaps the ops with buffers instead: batch norm would update them twice)
+        others = ["peered_bytes"] if key else ["swapped_bytes", "recomputed_ops", "peered_bytes"]
+        assert len(lines) == 3 and all(r[k] == 0 for r in lines for k in others), mode
+        assert key is None or all(r[key] > 0 for r in lines), (mode, [r[key] for r in lines])

@@ -336,6 +336,9 @@ def test_torchrun_with_the_peer_tier_forced_on_equals_one_process(tmp_path: Path
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     digest = lambda d: json.loads((tmp_path / "runs" / d / "summary.json").read_text())["params_digest"]  # noqa: E731
     assert digest("two") == digest("one")
+    metrics = lambda d: [json.loads(x) for x in (tmp_path / "runs" / d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    # metrics.jsonl says what rank 0 handed its pair each step (nothing in one process: no pair)
+    assert all(m["peered_bytes"] > 0 for m in metrics("two")) and all(m["peered_bytes"] == 0 for m in metrics("one"))
 
 
 @pytest.mark.dist
