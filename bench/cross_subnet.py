@@ -40,12 +40,20 @@ moves after the update before):
 * ``per_window_partition`` rows: the fair/delayed setting with one partition per block of
   ``window`` consecutive subnets (the dynamic planner on the block's mean op costs) instead of
   one per subnet, against the per-subnet partitions, same schedule settings.
+* ``bw_split`` rows (fair/delayed; issue 23 part 4): the same stream with every backward split
+  into ``B`` (input gradient) and ``W`` (weight gradient, placed where a stage would idle;
+  activations held until ``W``), window and delay chosen from the grid as above, beside the
+  figures without the split (``unsplit_*``) in the same line, for each (eps, cap) of the rows
+  above. A weight gradient costs half the backward of an op with parameters (the weight and
+  input gradients of a matmul are one matmul each) and nothing for one without (every op of
+  this space has parameters). ``flush_bound_split``: window 1 with the split.
 * ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
 
 Real rows (``--mode real``: gloo runs of the app on this machine, P = 2, M = 4, alternating
 rounds, the same fields) come from ``bench/cross_subnet_real.py``, which this script runs.
 
     python bench/cross_subnet.py [--subnets 192] [--seed 0] [--stages 4 8] [--microbatches 1 4]
+    python bench/cross_subnet.py --samplers fair --shared-ops delayed     # the issue's targets (bw_split too)
     flock /tmp/pipenas-bench.lock python bench/cross_subnet.py --mode real [--rounds 3] [--steps 200]
 """
 from __future__ import annotations
@@ -65,8 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
+from pipeline.plan.clock import WEIGHT_SHARE  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_cost, subnet_problem  # noqa: E402
-from pipeline.plan.partition import PartitionProblem  # noqa: E402
+from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
 from pipeline.plan.placement import initial_owners, moves  # noqa: E402
 from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
@@ -121,6 +130,13 @@ def build_space(layers: int = SETTING["layers"], width: int = SETTING["width"],
 # ------------------------------------------------------------------------- the subnets' work
 
 
+def weight_grad(c: OpCost) -> float:
+    """The seconds of an op's weight gradient: :data:`WEIGHT_SHARE` of its backward when it has
+    parameters (a matmul's backward is one matmul for the input gradient, one for the weights),
+    none without."""
+    return WEIGHT_SHARE * c.bwd if c.param_bytes > 0 else 0.0
+
+
 def subnet_work(space: Space, active, bounds: Sequence[int], problem: PartitionProblem) -> SubnetWork:
     """One subnet's :class:`SubnetWork` under ``bounds`` (the partition of its active ops)."""
     P = len(bounds) - 1
@@ -131,6 +147,7 @@ def subnet_work(space: Space, active, bounds: Sequence[int], problem: PartitionP
         uses=tuple(frozenset(active[i].op_id for i in r if active[i].op_id in space.stateful) for r in stage),
         fwd=tuple(sum(ops[i].fwd for i in r) for r in stage),
         bwd=tuple(sum(ops[i].bwd for i in r) for r in stage),
+        bwd_weight=tuple(sum(weight_grad(ops[i]) for i in r) for r in stage),
         send=tuple(link["latency_s"] + problem.cut_bytes[bounds[c + 1]] / link["bandwidth"] for c in range(P - 1)),
         update=tuple(space.update_overhead + sum(space.update[active[i].op_id] for i in r
                                                  if active[i].op_id in space.stateful) for r in stage))
@@ -187,14 +204,14 @@ def _flush_1f1b(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int]) -
 
 
 def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: int, shared: frozenset[str],
-            origin: Mapping[str, int], state_time: Mapping[str, float], cap: int = 1) -> dict:
+            origin: Mapping[str, int], state_time: Mapping[str, float], cap: int = 1, split: bool = False) -> dict:
     """Utilisation and makespan of the cross-subnet schedule of ``work``; ``cap``: the in-flight
-    cap per stage in multiples of 1F1B's ``P - s``."""
+    cap per stage in multiples of 1F1B's ``P - s``; ``split``: every backward split into B and W."""
     P = len(work[0].uses)
     kw = dict(origin=origin, state_time=state_time, cap=[cap * (P - s) for s in range(P)],
               frozen=shared if mode == "frozen" else frozenset(),
               delayed=shared if mode == "delayed" else frozenset(), delay=delay if mode == "delayed" else 0)
-    sched = cross_subnet(work, M, window, **kw)
+    sched = cross_subnet(work, M, window, split=split, **kw)
     r = simulate(sched, work=work, state_time=state_time)
     return {"utilisation": sum(r.busy) / (P * r.step_time), "makespan_s": r.step_time,
             "update_share": sum(sum(w.update) for w in work) / sum(r.busy)}
@@ -218,14 +235,14 @@ def grid(P: int, M: int, mode: str, subnets: int) -> list[tuple[int, int]]:
     return [(w, 0) for w in (2, 4, 8, 16, NASPIPE_WINDOW) if w <= subnets]
 
 
-def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1) -> dict:
+def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1, split: bool = False) -> dict:
     """The smallest (window, delay) of :func:`grid` meeting the row's target, else the best
     (the grid is cut short where utilisation stops growing: twice no gain of 0.002, once for
     exact shared ops, which flush at their stages whatever the window)."""
     P = len(work[0].uses)
     goal, tried, best, flat = target(P, M), [], None, 0
     for window, delay in grid(P, M, mode, len(work)):
-        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap)
+        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split)
         tried.append({"window": window, "delay": delay, "utilisation": round(f["utilisation"], 4)})
         if f["utilisation"] >= goal:
             return {"window": window, "delay": delay, **f, "choice": "smallest meeting the target", "grid": tried}
@@ -253,12 +270,29 @@ def row(P: int, M: int, sampler: str, mode: str, picked: dict, flush: dict, subn
             "width": SETTING["width"], "microbatch": SETTING["microbatch"], "link": SETTING["link"]}
 
 
+def split_row(P: int, M: int, sampler: str, stream: tuple, shared: frozenset[str], unsplit: dict, subnets: int,
+              seed: int, cap: int, eps: float) -> dict:
+    """The ``bw_split`` row of one fair/delayed setting: the grid's choice with every backward
+    split, beside ``unsplit`` (the same setting's choice without the split) in the same line."""
+    work, origin, state_time, flush = stream
+    picked = choose(work, M, "delayed", shared, origin, state_time, cap, split=True)
+    bound = figures(work, M, 1, "exact", 0, frozenset(), origin, state_time, split=True)
+    r = row(P, M, sampler, "delayed", picked, flush, subnets, seed, bench="bw_split", cap=cap, eps=eps)
+    r.update(split=True, flush_bound_split=bound["utilisation"],
+             unsplit_utilisation=unsplit["utilisation"], unsplit_window=unsplit["window"],
+             unsplit_delay=unsplit["delay"], unsplit_target_met=unsplit["utilisation"] >= target(P, M),
+             over_unsplit=unsplit["makespan_s"] / picked["makespan_s"])  # throughput, the same subnets
+    return r
+
+
 def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, seed: int,
-                   modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True) -> list[dict]:
+                   modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True,
+                   bw_split: bool = True) -> list[dict]:
     """Every simulated row of one (P, M, sampler): one per shared-op mode (the runtime's planner
     tolerance ``eps``, 1F1B's in-flight cap); NASPipe's rule (uniform); for fair/delayed, the
     options (``cross_subnet_options``: the best balance, eps = 0, and twice 1F1B's cap, i.e.
-    twice its activation memory) and per-window against per-subnet partitions."""
+    twice its activation memory), per-window against per-subnet partitions, and (``bw_split``)
+    each of those settings with the B/W split beside it without."""
     s = make_sampler(sampler, space.graph.space(), seed)
     archs = [s.next() for _ in range(subnets)]
     work, origin, state_time = plan_stream(space, archs, P, M, eps)
@@ -276,26 +310,31 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
         out.append(row(P, M, sampler, "frozen", {"window": NASPIPE_WINDOW, "delay": 0, **f,
                                                   "choice": "NASPipe: first non-conflicting subnet of 30"},
                        flush, subnets, seed, bench="naspipe_rule", eps=eps))
-    if sampler != "fair" or picked_delayed is None or not options:
+    if sampler != "fair" or picked_delayed is None:
         return out
     streams = {eps: (work, origin, state_time, flush)}
-    for e, cap in ((0.0, 1), (eps, 2), (0.0, 2)):
-        if e not in streams:
-            w = plan_stream(space, archs, P, M, e)
-            streams[e] = (*w, flush_figures(w[0], M, w[1], w[2]))
-        w, o, st, fl = streams[e]
-        picked = choose(w, M, "delayed", shared, o, st, cap)
-        out.append(row(P, M, sampler, "delayed", picked, fl, subnets, seed, bench="cross_subnet_options",
-                       cap=cap, eps=e))
-    # one partition per window of subnets, against one per subnet: same window, delay, cap, eps
-    win, d = picked_delayed["window"], picked_delayed["delay"]
-    bwork, borigin, bstate = plan_stream(space, archs, P, M, eps, block=win)
-    f = figures(bwork, M, win, "delayed", d, shared, borigin, bstate)
-    r = row(P, M, sampler, "delayed", {"window": win, "delay": d, **f, "choice": "per-window partition"},
-            flush_figures(bwork, M, borigin, bstate), subnets, seed, bench="per_window_partition", eps=eps)
-    r["per_subnet_utilisation"] = picked_delayed["utilisation"]
-    r["over_per_subnet"] = picked_delayed["makespan_s"] / f["makespan_s"]  # throughput, the same subnets
-    out.append(r)
+    unsplit = {(eps, 1): picked_delayed}  # (eps, cap) -> the grid's choice, fair/delayed, no split
+    if options:
+        for e, cap in ((0.0, 1), (eps, 2), (0.0, 2)):
+            if e not in streams:
+                w = plan_stream(space, archs, P, M, e)
+                streams[e] = (*w, flush_figures(w[0], M, w[1], w[2]))
+            w, o, st, fl = streams[e]
+            picked = unsplit[(e, cap)] = choose(w, M, "delayed", shared, o, st, cap)
+            out.append(row(P, M, sampler, "delayed", picked, fl, subnets, seed, bench="cross_subnet_options",
+                           cap=cap, eps=e))
+        # one partition per window of subnets, against one per subnet: same window, delay, cap, eps
+        win, d = picked_delayed["window"], picked_delayed["delay"]
+        bwork, borigin, bstate = plan_stream(space, archs, P, M, eps, block=win)
+        f = figures(bwork, M, win, "delayed", d, shared, borigin, bstate)
+        r = row(P, M, sampler, "delayed", {"window": win, "delay": d, **f, "choice": "per-window partition"},
+                flush_figures(bwork, M, borigin, bstate), subnets, seed, bench="per_window_partition", eps=eps)
+        r["per_subnet_utilisation"] = picked_delayed["utilisation"]
+        r["over_per_subnet"] = picked_delayed["makespan_s"] / f["makespan_s"]  # throughput, the same subnets
+        out.append(r)
+    if bw_split:
+        for (e, cap), picked in unsplit.items():
+            out.append(split_row(P, M, sampler, streams[e], shared, picked, subnets, seed, cap, e))
     return out
 
 
@@ -303,13 +342,17 @@ def verdicts(rows: Sequence[dict]) -> list[dict]:
     """The issue's simulated targets (fair sampler, delayed shared ops), met or missed, with the figure."""
     out = []
     for r in rows:
-        if r["bench"] not in ("cross_subnet", "cross_subnet_options") or r["sampler"] != "fair" \
+        if r["bench"] not in ("cross_subnet", "cross_subnet_options", "bw_split") or r["sampler"] != "fair" \
                 or r["shared_ops"] != "delayed":
             continue
         how = {"window": r["window"], "delay": r["delay"], "cap": r["cap"], "eps": r["eps"], "from": r["bench"]}
+        split = r["bench"] == "bw_split"
+        if split:
+            how["without_split"] = r["unsplit_utilisation"]
         out.append({"bench": "cross_subnet_verdict", "what": f"utilisation >= {r['target_utilisation']} at "
-                    f"P={r['P']}, M={r['M']}", "figure": r["utilisation"], "met": r["target_met"], **how})
-        if (r["P"], r["M"]) == (4, 4):
+                    f"P={r['P']}, M={r['M']}" + (" with the B/W split" if split else ""),
+                    "figure": r["utilisation"], "met": r["target_met"], **how})
+        if (r["P"], r["M"]) == (4, 4) and not split:
             out.append({"bench": "cross_subnet_verdict", "what": "throughput >= 1.5x flushed 1F1B at P=4, M=4",
                         "figure": r["over_flush"], "met": r["over_flush"] >= 1.5,
                         "over_flush_1f1b": r["over_flush_1f1b"], **how})
@@ -329,6 +372,8 @@ def main() -> None:
     ap.add_argument("--shared-ops", nargs="+", default=list(SHARED_MODES), choices=list(SHARED_MODES))
     ap.add_argument("--eps", type=float, default=0.05, help="the dynamic planner's tolerance (pipeline.eps)")
     ap.add_argument("--no-options", action="store_true", help="skip the eps = 0 / 2x cap / per-window rows")
+    ap.add_argument("--no-bw-split", action="store_true", help="skip the bw_split rows (fair, delayed: each "
+                    "setting with every backward split into B and W, beside it without)")
     args, rest = ap.parse_known_args()
     if args.mode == "real":
         from cross_subnet_real import main as real
@@ -348,7 +393,7 @@ def main() -> None:
             for sampler in args.samplers:
                 t0 = time.perf_counter()
                 got = simulated_rows(space, P, M, sampler, args.subnets, args.seed, args.shared_ops, args.eps,
-                                     not args.no_options)
+                                     not args.no_options, not args.no_bw_split)
                 for r in got:
                     r["loadavg"] = os.getloadavg()[0]
                 rows += got

@@ -8,8 +8,10 @@ break that, and this measures each apart, in one run, on the job's GPU:
   of one config give the same bits at all?
 * ``budget``: a budget that forces evictions, each optimizer placement (``device``: the update on
   the GPU; ``host``/``hybrid``: some updates on the CPU), against all-resident, deterministic kernels;
-* ``update``: one optimizer step (SGD with momentum, AdamW) of the same tensors on the CPU and on
-  the GPU: the same bits or not (the CPU and GPU kernels round fused multiply-adds differently).
+* ``update``: one optimizer step (SGD with momentum, torch's AdamW, :class:`PortableAdamW`) of
+  the same tensors on the CPU and on the GPU: the same bits or not (torch's AdamW kernels fuse
+  multiply-adds, which the CPU and the GPU round differently; the tensor manager runs
+  PortableAdamW on CUDA, so the ``budget`` rows use it).
 
 One JSON line per comparison: ``same`` (losses and final weights' digest equal) and the largest
 relative loss difference. Needs CUDA.
@@ -19,6 +21,7 @@ relative loss difference. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -68,13 +71,13 @@ def compare(what: str, a: tuple[list[float], str], b: tuple[list[float], str], *
           flush=True)
 
 
-def update_bits(optim: str) -> bool:
+def update_bits(optim: str, portable: bool = False) -> bool:
     g = torch.Generator().manual_seed(0)
     p0, grads = torch.randn(4096, generator=g), [torch.randn(4096, generator=g) for _ in range(3)]
     outs = []
     for dev in ("cpu", "cuda"):
         p = torch.nn.Parameter(p0.clone().to(dev))
-        opt = OPTIMS[optim].build([p])
+        opt = dataclasses.replace(OPTIMS[optim], portable=portable).build([p])
         for gr in grads:
             p.grad = gr.to(dev)
             opt.step()
@@ -89,9 +92,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/cuda_bits.py: needs CUDA")
-    for optim in OPTIMS:
-        print(json.dumps({"bench": "cuda_bits", "what": "update", "optim": optim, "same": update_bits(optim)}),
-              flush=True)
+    for optim, portable in (("sgd", False), ("adamw", False), ("adamw", True)):
+        print(json.dumps({"bench": "cuda_bits", "what": "update", "optim": optim, "portable": portable,
+                          "same": update_bits(optim, portable)}), flush=True)
     for optim in OPTIMS:
         for det in (False, True):
             use_deterministic_kernels("cuda", det)

@@ -61,7 +61,8 @@ from .wire import TensorSpec
 
 __all__ = ["StageExecutor", "SegmentRun", "Segment"]
 
-_CATEGORY = {"F": "forward", "B": "backward", "U": "optimizer"}  # an action's kind -> its trace category
+# an action's kind -> its trace category (a split backward's weight half is backward too)
+_CATEGORY = {"F": "forward", "B": "backward", "W": "backward", "U": "optimizer"}
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,9 @@ class StageExecutor:
         self.tensors.prefetch([uses[t][me] for t in order] + list(seg.after))
 
         runs: dict[tuple[int, int], SliceRun] = {}
+        # subnets whose backward this stage splits: B the input gradients, W the weights' later
+        split = {a.subnet for a in row if a.kind == "W"}
+        weights: dict[tuple[int, int], SliceRun] = {}  # B done, W to come: the record stays
         head: dict[tuple[int, int], torch.Tensor] = {}
         losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
                   for _ in seg.steps]
@@ -216,10 +220,11 @@ class StageExecutor:
                         for op in sorted(uses[t][me]):
                             self.shared.begin(op, step)
                     run = SliceRun(plan.slices[me], lambda op, step=step: self._module(op, step),
-                                   op_contexts(self.seed, step, m + self.offset, True), policies[t])
+                                   op_contexts(self.seed, step, m + self.offset, True), policies[t],
+                                   split=t in split)
                     outs = run.forward([seg.batches[t][m][0]] if me == 0 else inputs)
                     runs[(t, m)] = run
-                    stats.max_in_flight = max(stats.max_in_flight, len(runs))
+                    stats.max_in_flight = max(stats.max_in_flight, len(runs) + len(weights))
                     out = None
                     if me == last:
                         loss = classification_loss(outs[0], seg.batches[t][m][1], seg.batch_sizes[t])
@@ -232,8 +237,14 @@ class StageExecutor:
                 elif a.kind == "B":
                     run = runs.pop((t, m))
                     grads = run.backward_loss(head.pop((t, m))) if me == last else run.backward(inputs)
+                    if run.split:
+                        weights[(t, m)] = run
                     stats.busy_s += time.perf_counter() - a0
                     emit(a, grads if me > 0 else None, None, after=i + 1)
+                elif a.kind == "W":
+                    weights.pop((t, m)).backward_weight()  # in micro-batch order: the sum's order
+                    stats.busy_s += time.perf_counter() - a0
+                    emit(a, None, None, after=i + 1)  # sends nothing; posts the next receive
                 else:
                     emit(a, None, losses[t], kinds=("losses",), after=i + 1)  # (last stage) every update needs them
                     # every replica's losses (with replicas), in micro-batch order

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 __all__ = ["COMPENSATIONS", "PipelineSettings", "DistEnv", "check_compensation", "dist_env"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zbh1")
 PLANNERS = ("dynamic", "equal", "static", "oracle")
 SHARED_MODES = ("exact", "delayed", "frozen")  # pipeline.shared_ops (pipeline/shared.py)
 # pipeline.delay_compensation: what a delayed shared op does about its staleness (pipeline/shared.py)
@@ -21,7 +21,9 @@ class PipelineSettings:
     ``stages``: pipeline depth S; ``None`` means the world size (one stage per process); a
     divisor S of the world size N runs N / S replicas of an S-stage pipeline (a 2-D mesh,
     :mod:`pipeline.replicas`); ``auto``: the mesh planner's pick (:mod:`pipeline.plan.mesh`).
-    ``schedule``: ``gpipe`` or ``1f1b``. ``planner``: how each subnet is partitioned.
+    ``schedule``: ``gpipe``, ``1f1b`` or ``zbh1`` (1F1B with each backward split into its input
+    gradient B and its weight gradient W, W filling the drain's bubbles: zero-bubble's ZB-H1,
+    :func:`pipeline.plan.schedule.zb_h1`). ``planner``: how each subnet is partitioned.
     ``eps``: the migration-aware planner's slack over the optimal slowest-stage time.
     ``objective``: the dynamic planner's choice: ``step`` weighs migration time against the
     step time a better balance saves; ``minmax`` takes the fewest moved bytes within ``eps``.

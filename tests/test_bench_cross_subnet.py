@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cross_subnet import (  # noqa: E402
     NASPIPE_WINDOW, Space, build_space, figures, flush_figures, grid, plan_stream, simulated_rows, target, verdicts,
+    weight_grad,
 )
 from pipeline.plan.costs import analytic_costs  # noqa: E402
 from pipeline.plan.placement import initial_owners  # noqa: E402
@@ -57,6 +58,9 @@ def test_each_subnets_work_is_its_partition(space: Space) -> None:
         ops = [space.table.ops[op.op_id] for op in active]
         assert sum(w.fwd) == pytest.approx(sum(c.fwd for c in ops))
         assert sum(w.bwd) == pytest.approx(sum(c.bwd for c in ops))
+        # the weight gradient: half the backward of an op with parameters, nothing for one without
+        assert sum(w.bwd_weight) == pytest.approx(sum(0.5 * c.bwd for c in ops if c.param_bytes > 0))
+        assert all(0 <= x <= b for x, b in zip(w.bwd_weight, w.bwd))
         assert set().union(*w.uses) == {op.op_id for op in active} & space.stateful
         assert "stem" in w.uses[0] and "head" in w.uses[-1]  # the shared ops keep their stages
         assert len(w.send) == 3 and all(x >= SMALL["link"]["latency_s"] for x in w.send)
@@ -67,9 +71,14 @@ def test_each_subnets_work_is_its_partition(space: Space) -> None:
         assert len(sizes) == 1
 
 
+def test_weight_grad_of_ops_with_and_without_parameters(space: Space) -> None:
+    ops = space.table.ops.values()
+    assert all(weight_grad(c) == (0.5 * c.bwd if c.param_bytes else 0.0) for c in ops)
+
+
 def test_ratios_are_of_the_same_work(rows: list[dict]) -> None:
     for r in rows:
-        if "cross_subnet" not in r["bench"] and r["bench"] not in ("naspipe_rule", "per_window_partition"):
+        if "cross_subnet" not in r["bench"] and r["bench"] not in ("naspipe_rule", "per_window_partition", "bw_split"):
             continue
         # the same actions on the same costs: busy time is the same, so the ratios agree
         assert r["over_flush"] == pytest.approx(r["utilisation"] / r["flush_bound"], rel=1e-9)
@@ -84,6 +93,24 @@ def test_ratios_are_of_the_same_work(rows: list[dict]) -> None:
                        and x["M"] == r["M"] and x["sampler"] == "fair"]
             assert r["per_subnet_utilisation"] == same["utilisation"] and (r["window"], r["delay"]) == (
                 same["window"], same["delay"])
+
+
+def test_bw_split_rows_sit_beside_the_same_setting_without(rows: list[dict]) -> None:
+    split = [r for r in rows if r["bench"] == "bw_split"]
+    # one per fair/delayed setting: the main row's (eps 0.05, 1x cap) and each option's
+    assert sorted((r["M"], r["eps"], r["cap"]) for r in split) == sorted(
+        (M, e, f"{c}x 1F1B (P - s)") for M in (1, 2) for e, c in ((0.05, 1), (0.0, 1), (0.05, 2), (0.0, 2)))
+    for r in split:
+        assert r["sampler"] == "fair" and r["shared_ops"] == "delayed" and r["split"] is True
+        (same,) = [x for x in rows if x["bench"] in ("cross_subnet", "cross_subnet_options") and x["M"] == r["M"]
+                   and x["sampler"] == "fair" and x["shared_ops"] == "delayed" and (x["eps"], x["cap"]) == (r["eps"],
+                                                                                                       r["cap"])]
+        assert (r["unsplit_utilisation"], r["unsplit_window"], r["unsplit_delay"]) == (
+            same["utilisation"], same["window"], same["delay"])
+        assert r["flush_bound"] == same["flush_bound"]  # the same stream, the same baseline
+        assert r["over_unsplit"] == pytest.approx(r["utilisation"] / r["unsplit_utilisation"], rel=1e-9)
+        assert r["unsplit_target_met"] == (r["unsplit_utilisation"] >= r["target_utilisation"])
+        assert 0 < r["flush_bound_split"] <= 1 and r["flush_bound_split"] >= r["flush_bound"] - 1e-12
 
 
 def test_rows_cover_the_settings(rows: list[dict]) -> None:
@@ -117,7 +144,10 @@ def test_window_one_is_the_flush_and_the_grid_stops_at_the_target(space: Space) 
 def test_verdicts_judge_fair_delayed_rows_only(rows: list[dict]) -> None:
     v = verdicts(rows)
     judged = [r for r in rows if r["sampler"] == "fair" and r["shared_ops"] == "delayed"
-              and r["bench"] in ("cross_subnet", "cross_subnet_options")]
+              and r["bench"] in ("cross_subnet", "cross_subnet_options", "bw_split")]
     assert len(v) == len(judged)  # P = 4, M = 1 and 2: no throughput verdict (that is P = 4, M = 4)
     for line, r in zip(v, judged):
         assert line["figure"] == r["utilisation"] and line["met"] == r["target_met"]
+        assert ("with the B/W split" in line["what"]) == (r["bench"] == "bw_split")
+        if r["bench"] == "bw_split":
+            assert line["without_split"] == r["unsplit_utilisation"]

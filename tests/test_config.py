@@ -95,7 +95,7 @@ def test_custom_space_through_a_yaml_on_the_search_path(tmp_path: Path) -> None:
     (["search.population=1"], "search.population: expected an integer >= 2, found 1"),
     (["search.constraints.max_params=0"], "search.constraints.max_params: expected an integer >= 1 or null, found 0"),
     (["search.seed_archs=[3]"], "search.seed_archs[0]: expected a mapping label -> value, found 3"),
-    (["pipeline.schedule=zigzag"], "pipeline.schedule: expected one of ['gpipe', '1f1b'], found 'zigzag'"),
+    (["pipeline.schedule=zigzag"], "pipeline.schedule: expected one of ['gpipe', '1f1b', 'zbh1'], found 'zigzag'"),
     (["device=tpu"], "device: expected 'auto', 'cpu', 'cuda' or 'cuda:<index>', found 'tpu'"),
     (["seed=-1"], "seed: expected an integer >= 0, found -1"),
     (["+train.stepz=5"], "train.stepz: unknown field; expected one of"),

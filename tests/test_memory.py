@@ -681,3 +681,29 @@ def test_fetches_ahead_look_past_the_subnets_in_flight() -> None:
     tm.release_step(ops=["l0/a"], done=0, in_flight=1)
     assert "l0/c" in resident(tm)
     tm.close()
+
+
+def test_portable_adamw_is_adamw_to_rounding_with_the_same_state() -> None:
+    """The AdamW the tensor manager runs on CUDA (bench/cuda_bits.py checks its bits there):
+    torch's AdamW's update to float rounding, with torch's state keys."""
+    g = torch.Generator().manual_seed(0)
+    p0, grads = torch.randn(257, generator=g), [torch.randn(257, generator=g) for _ in range(20)]
+    outs = []
+    for portable in (False, True):
+        p = torch.nn.Parameter(p0.clone())
+        cfg = dataclasses.replace(optim_of("adamw"), weight_decay=0.01, portable=portable)
+        opt = cfg.build([p])
+        for gr in grads:
+            p.grad = gr.clone()
+            opt.step()
+        outs.append((p.detach().clone(), opt.state[p]))
+    (a, sa), (b, sb) = outs
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-7) and not torch.equal(p0, b)
+    assert set(sa) == set(sb) == {"step", "exp_avg", "exp_avg_sq"} and float(sb["step"]) == 20
+    assert torch.allclose(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-6)
+
+
+def test_the_manager_runs_portable_adamw_on_cuda_only() -> None:
+    graph = build_graph("conv")
+    assert not TensorManager(graph, 0, optim_of("adamw")).optim.portable
+    assert not TensorManager(graph, 0, optim_of("sgd"), "meta").optim.portable

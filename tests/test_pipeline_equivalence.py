@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 from distributed import Scenario, assert_same_as_reference, one_process, run_scenario, spawn
+from pipeline.plan.schedule import in_flight
 
 pytestmark = pytest.mark.dist
 
@@ -23,6 +24,9 @@ SCENARIOS = [
     Scenario("conv", "gpipe", steps=4, extra=MIGRATING),
     Scenario("cell", "1f1b", steps=5, optimizer="adamw", extra=MIGRATING, eval_archs=1),
     Scenario("cell", "gpipe", steps=4, planner="static"),
+    # the B/W split (ZB-H1): B the input gradients, W the weights' later, the same bits
+    Scenario("transformer", "zbh1", steps=4, optimizer="adamw", extra=MIGRATING),
+    Scenario("conv", "zbh1", steps=4, extra=MIGRATING, eval_archs=1),
 ]
 
 
@@ -31,9 +35,7 @@ def reference(i: int) -> dict:
 
 
 def expected_peaks(schedule: str, stages: int, microbatches: int) -> list[int]:
-    if schedule == "gpipe":
-        return [microbatches] * stages
-    return [min(microbatches, stages - s) for s in range(stages)]
+    return list(in_flight(schedule, stages, microbatches))
 
 
 # two runs of one scenario: in segments of flushed steps given the sampler's lookahead, as the

@@ -76,7 +76,7 @@ def test_action_parse_rejects(text: object) -> None:
 
 def test_action_rejects_bad_fields() -> None:
     with pytest.raises(ScheduleError, match="Action.kind"):
-        Action(0, "W", 0)
+        Action(0, "X", 0)
     with pytest.raises(ScheduleError, match="Action.stage"):
         Action(-1, "F", 0)
     with pytest.raises(ScheduleError, match="Action.microbatch"):
@@ -128,7 +128,7 @@ def test_max_in_flight(P: int, M: int) -> None:
 
 
 def test_build_rejects_unknown_name() -> None:
-    with pytest.raises(ScheduleError, match=r"\['1f1b', 'gpipe'\].*'zb'"):
+    with pytest.raises(ScheduleError, match=r"\['1f1b', 'gpipe', 'zbh1'\].*'zb'"):
         build("zb", 2, 2)
     with pytest.raises(ScheduleError, match="num_stages"):
         build("1f1b", 0, 2)

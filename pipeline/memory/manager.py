@@ -14,6 +14,7 @@ same bits.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
@@ -53,8 +54,10 @@ class TensorManager:
                  memory: MemorySettings | None = None) -> None:
         self.graph = graph
         self.seed = seed
-        self.optim = optim
         self.device = torch.device(device)
+        if self.device.type == "cuda" and optim.name == "adamw":  # host updates give the GPU's bits
+            optim = dataclasses.replace(optim, portable=True)
+        self.optim = optim
         self.memory = memory if memory is not None else MemorySettings()
         self._slots: dict[str, OpSlot] = {s.op_id: s for s in graph.slots()}
         self._modules: dict[str, nn.Module] = {}

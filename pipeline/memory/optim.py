@@ -1,7 +1,9 @@
 """Per-op optimizers: their settings, and one optimizer call that steps many ops at once.
 
 Every op has its own optimizer (``foreach=False``, so an op's update is the same arithmetic
-whatever else a process owns, and its state travels with it). A step of tens of ops through
+whatever else a process owns, and its state travels with it). On CUDA, AdamW runs as
+:class:`PortableAdamW`: the CPU's and the GPU's fused AdamW kernels round differently, and a
+budgeted run updates some ops on the host (``memory.optimizer`` host or hybrid). A step of tens of ops through
 tens of optimizer calls costs ~40 us of hooks and bookkeeping each, so :class:`OptimGroup`
 steps them in one call over the same per-parameter state dicts.
 """
@@ -10,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import math
+
 import torch
 from torch import nn
 
-__all__ = ["OptimConfig", "OptimGroup"]
+__all__ = ["OptimConfig", "OptimGroup", "PortableAdamW"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     nesterov: bool = False
+    portable: bool = False  # AdamW as :class:`PortableAdamW` (the tensor manager's choice on CUDA)
 
     def __post_init__(self) -> None:
         if self.name not in ("sgd", "adamw"):
@@ -38,8 +43,46 @@ class OptimConfig:
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
                                    nesterov=self.nesterov, foreach=False)
+        if self.portable:
+            return PortableAdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                 weight_decay=self.weight_decay)
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
                                  weight_decay=self.weight_decay, foreach=False)
+
+
+class PortableAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay; torch.optim.AdamW's update and state) in operations that
+    each round once: a multiply, an add, a divide or a square root per kernel, never a fused
+    multiply-add (``lerp``, ``addcmul``, ``addcdiv``). IEEE rounds each of those alike on every
+    device, so an update on the host gives the GPU's bits (bench/cuda_bits.py measured torch's
+    AdamW apart: SGD's kernels agree, AdamW's fused ones do not). State: ``step`` (a host
+    scalar), ``exp_avg`` and ``exp_avg_sq``, as torch's, so checkpoints and the tensor
+    manager's slots are the same."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, st = p.grad, self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                t = float(st["step"])
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                p.mul_(1 - lr * wd)
+                m.mul_(b1).add_(g * (1 - b1))
+                v.mul_(b2).add_((g * g).mul_(1 - b2))
+                denom = v.sqrt().div_(math.sqrt(1 - b2 ** t)).add_(eps)
+                p.sub_(m.div(denom).mul_(lr / (1 - b1 ** t)))
+        return None
 
 
 class OptimGroup:

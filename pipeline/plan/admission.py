@@ -16,7 +16,11 @@ The builder is a list scheduler over estimated times, taken from the simulator's
 :func:`~pipeline.plan.simulate.simulate` replays of the result): each stage, when free, runs the
 ready action of highest priority (an update, then a backward, then a forward; older subnets and
 micro-batches first), and a stage holds at most ``cap[s]`` micro-batches between forward and
-backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries). A subnet whose
+backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries). With ``split``,
+each backward is two actions (zero-bubble pipelines, Qi et al. 2024): ``B``, the input gradient
+the stage before waits for, chosen as above, and ``W``, the weight gradient nobody waits for but
+the subnet's update, run only when nothing else is ready on its stage (so it never delays a ready
+forward or backward; a micro-batch holds its slot until its ``W``). A subnet whose
 forward still waits further down for an earlier subnet runs ahead on a stage one micro-batch at
 a time, never in its only slot, so the slots stay with the subnets that can get through: no
 deadlock, no clogged pipeline. The estimates only choose the order: the order is then a fixed
@@ -35,12 +39,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .clock import Clock
+from .clock import WEIGHT_SHARE, Clock
 from .schedule import Action, Schedule, ScheduleError, WaitRule
 
 __all__ = ["ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential"]
 
-_PRIORITY = {"U": 0, "B": 1, "F": 2}
+_PRIORITY = {"U": 0, "B": 1, "F": 2, "W": 3}
 
 
 @dataclass(frozen=True)
@@ -48,22 +52,33 @@ class SubnetWork:
     """One subnet of the sequence: per stage, the ops with state it runs there (``uses``) and
     the seconds of one micro-batch's forward and backward (``fwd``, ``bwd``); per cut, the
     seconds its activation or gradient takes on the link (``send``); per stage, the update's
-    seconds (``update``, default 0)."""
+    seconds (``update``, default 0) and the weight gradient's part of ``bwd`` (``bwd_weight``:
+    a split backward's W takes it, its B the rest; default :data:`~pipeline.plan.clock.WEIGHT_SHARE`
+    of ``bwd``)."""
 
     uses: tuple[frozenset[str], ...]
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
     send: tuple[float, ...] = ()
     update: tuple[float, ...] = ()
+    bwd_weight: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         P = len(self.uses)
         object.__setattr__(self, "uses", tuple(frozenset(u) for u in self.uses))
-        for name, n in (("fwd", P), ("bwd", P), ("send", P - 1), ("update", P)):
-            v = tuple(float(x) for x in getattr(self, name)) or ((0.0,) * n if name in ("send", "update") else ())
+        for name, n in (("fwd", P), ("bwd", P), ("send", P - 1), ("update", P), ("bwd_weight", P)):
+            v = tuple(float(x) for x in getattr(self, name))
+            if not v and name in ("send", "update"):
+                v = (0.0,) * n
+            elif not v and name == "bwd_weight":  # bwd is checked by now
+                v = tuple(WEIGHT_SHARE * b for b in self.bwd)
             if len(v) != n or not all(math.isfinite(x) and x >= 0 for x in v):
                 raise ScheduleError(f"SubnetWork.{name}: expected {n} finite non-negative seconds, found {v!r}")
             object.__setattr__(self, name, v)
+        late = [s for s in range(P) if self.bwd_weight[s] > self.bwd[s]]
+        if late:
+            raise ScheduleError(f"SubnetWork.bwd_weight: expected at most bwd per stage (the weight gradient is "
+                                f"part of the backward), found {self.bwd_weight} against bwd {self.bwd}")
 
 
 @dataclass(frozen=True)
@@ -83,15 +98,18 @@ class ArenaBound:
 def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int, *,
                  frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(), delay: int = 0,
                  origin: Mapping[str, int] | None = None, state_time: Mapping[str, float] | None = None,
-                 cap: Sequence[int] | None = None, name: str = "cross", arena: ArenaBound | None = None) -> Schedule:
+                 cap: Sequence[int] | None = None, name: str = "cross", arena: ArenaBound | None = None,
+                 split: bool = False) -> Schedule:
     """The schedule of ``work`` (subnets in training order) with at most ``window`` unfinished.
 
     ``state_time[op]``: seconds an op's move takes (default 0); ``origin``: each op's stage
-    before the first action; ``arena``: the tensor manager's bound (None: every op resident).
+    before the first action; ``arena``: the tensor manager's bound (None: every op resident);
+    ``split``: split every backward into ``B`` (input gradient) and ``W`` (weight gradient,
+    ``SubnetWork.bwd_weight`` seconds), each ``W`` run where its stage would otherwise idle.
     Raises :class:`ScheduleError` for inputs of the wrong shape.
     """
     return _admit(work, num_microbatches, window, frozen=frozen, delayed=delayed, delay=delay, origin=origin,
-                  state_time=state_time, cap=cap, name=name, arena=arena)[0]
+                  state_time=state_time, cap=cap, name=name, arena=arena, split=split)[0]
 
 
 def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, frozen: frozenset[str] = frozenset(),
@@ -124,7 +142,7 @@ def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, froz
 def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, frozen: frozenset[str],
            delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None,
            state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str,
-           arena: ArenaBound | None = None) -> tuple[Schedule, Clock]:
+           arena: ArenaBound | None = None, split: bool = False) -> tuple[Schedule, Clock]:
     """:func:`cross_subnet`, and the clock that timed its choices (the builder's estimates)."""
     if not work:
         raise ScheduleError("cross_subnet: expected at least one subnet, found none")
@@ -138,18 +156,21 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
         raise ScheduleError(f"cross_subnet: cap expected {P} values >= 1, found {cap!r}")
     uses = tuple(w.uses for w in work)
     rule = WaitRule(P, M, T, uses, frozenset(frozen), frozenset(delayed), delay,
-                    dict(origin) if origin is not None else None, updates=True)
+                    dict(origin) if origin is not None else None, updates=True,
+                    split=[(t, s) for t in range(T) for s in range(P)] if split else ())
     # the simulator's clock: an estimate here is exactly what simulate() replays of the result
     clock = Clock.per_subnet(rule, work, state_time)
     ids = [[[clock.id(Action(s, k, m, t)) for k in "FB" for m in range(M)] + [clock.id(Action(s, "U", 0, t))]
-            for t in range(T)] for s in range(P)]  # per stage and subnet: F0..F(M-1), B0..B(M-1), U
+            + ([clock.id(Action(s, "W", m, t)) for m in range(M)] if split else [])
+            for t in range(T)] for s in range(P)]  # per stage and subnet: F0..F(M-1), B0..B(M-1), U, W0..W(M-1)
     acts = clock.net.actions
     order = {i: (_PRIORITY[acts[i].kind], acts[i].subnet, acts[i].microbatch) for i in range(len(acts))}.__getitem__
     rows: list[list[Action]] = [[] for _ in range(P)]
     nf = [[0] * T for _ in range(P)]  # the next forward's micro-batch, per stage and subnet
     nb = [[0] * T for _ in range(P)]
+    nw = [[0] * T for _ in range(P)] if split else nb  # the next weight gradient's (unsplit: none to run)
     updated = [[False] * T for _ in range(P)]
-    live = [0] * P  # micro-batches between forward and backward
+    live = [0] * P  # micro-batches between forward and backward (its weight gradient when split)
     done_stages = [0] * T
     lo = 0  # the oldest unfinished subnet
 
@@ -199,23 +220,38 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
             if f < M and live[s] < cap[s] and room(t, s):
                 if blocked(t, s):
                     if ahead is None:
-                        ahead = cap[s] > 1 and not any(nf[s][u] > nb[s][u] and blocked(u, s) for u in admitted)
+                        ahead = cap[s] > 1 and not any(nf[s][u] > nw[s][u] and blocked(u, s) for u in admitted)
                     if ahead:
                         out.append(ids[s][t][f])
                 else:
                     out.append(ids[s][t][f])
             if b < f:
                 out.append(ids[s][t][M + b])
-            elif b == M and not updated[s][t]:
+            elif nw[s][t] == M and not updated[s][t]:
                 out.append(ids[s][t][2 * M])
         return out
 
-    remaining = T * P * (2 * M + 1)
+    def fill(s: int) -> int | None:
+        """The weight gradient stage ``s`` runs when nothing else is ready there: the oldest
+        subnet's next one (each subnet's in micro-batch order; its B ran on this stage, so it
+        is ready now)."""
+        for t in range(lo, min(T, lo + window)):
+            if nw[s][t] < nb[s][t]:
+                return ids[s][t][2 * M + 1 + nw[s][t]]
+        return None
+
+    remaining = T * P * (2 * M + 1 + (M if split else 0))
     while remaining:
         best: tuple[float, int, int] | None = None
         deepest.clear()
         for s in range(P):
             cands = [(i, r) for i in candidates(s) if (r := clock.ready(i)) is not None]
+            w = fill(s) if split else None
+            if w is not None and (not cands or min(r for _, r in cands) > clock.free[s]):
+                # free work: the stage would idle now, so no forward or backward that is ready waits for it
+                if best is None or clock.free[s] < best[0]:
+                    best = (clock.free[s], s, w)
+                continue
             if not cands:
                 continue
             start = max(clock.free[s], min(r for _, r in cands))
@@ -233,6 +269,9 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
             live[s] += 1
         elif a.kind == "B":
             nb[s][a.subnet] += 1
+            live[s] -= not split
+        elif a.kind == "W":
+            nw[s][a.subnet] += 1
             live[s] -= 1
         else:
             updated[s][a.subnet] = True

@@ -23,10 +23,20 @@ if TYPE_CHECKING:
     from .admission import SubnetWork
     from .simulate import Copy, HostLinks
 
-__all__ = ["Clock", "SimulationError"]
+__all__ = ["Clock", "SimulationError", "WEIGHT_SHARE"]
 
-_KIND = {"F": 0, "B": 1, "U": 2}
+# Per subnet, five rows of P costs: F, B (whole), B (input gradient only), W, U.
+_KIND = {"F": 0, "B": 1, "W": 3, "U": 4}
+_ROWS = 5
 _INF = math.inf
+# The weight gradient's share of a backward when none is given: a matmul's backward is two
+# matmuls of its forward's size, one for the input gradient and one for the weight gradient.
+WEIGHT_SHARE = 0.5
+
+
+def _weight_seconds(bwd: Sequence[float], bwd_weight: Sequence[float] | None) -> list[float]:
+    """``bwd_weight`` as floats, or :data:`WEIGHT_SHARE` of ``bwd`` when None."""
+    return [WEIGHT_SHARE * float(b) for b in bwd] if bwd_weight is None else [float(x) for x in bwd_weight]
 
 
 class SimulationError(ValueError):
@@ -36,8 +46,9 @@ class SimulationError(ValueError):
 class _Net:
     """A wait rule compiled to integers, once per rule: every action of the schedule an id,
     every message a slot; per action its stage, its cost's index in the cost table (subnet,
-    kind, stage), the slots it receives, the same-stage actions it waits for, and what it sends
-    (slot, link or -1, index of the transfer's seconds in the delay table)."""
+    kind, stage; a split B has its own row), the slots it receives, the same-stage actions it
+    waits for, and what it sends (slot, link or -1, index of the transfer's seconds in the delay
+    table)."""
 
     def __init__(self, rule: WaitRule) -> None:
         P, M, T = rule.P, rule.M, rule.T
@@ -48,9 +59,12 @@ class _Net:
                 acts += [Action(s, "F", m, t) for m in range(M)]
                 if rule.training:
                     acts += [Action(s, "B", m, t) for m in range(M)]
+                if (t, s) in rule.split:
+                    acts += [Action(s, "W", m, t) for m in range(M)]
                 if rule.updates:
                     acts.append(Action(s, "U", 0, t))
         self.actions = acts
+        self.split = bool(rule.split)
         self.ids = {a: i for i, a in enumerate(acts)}
         cuts = max(P - 1, 0)
         # the delay table: activation sends per (subnet, cut), gradient sends, zero, each op's move
@@ -64,7 +78,8 @@ class _Net:
 
         self.init = tuple(dict.fromkeys((slot(w), move[w.op]) for _, w in rule.sends(None)))
         self.stage = [a.stage for a in acts]
-        self.cost = [(a.subnet * 3 + _KIND[a.kind]) * P + a.stage for a in acts]
+        self.cost = [(a.subnet * _ROWS + _KIND[a.kind] + (a.kind == "B" and (a.subnet, a.stage) in rule.split)) * P
+                     + a.stage for a in acts]
         self.deps: list[tuple[int, ...]] = []
         self.local: list[tuple[int, ...]] = []
         self.outs: list[tuple[tuple[int, int, int], ...]] = []
@@ -85,16 +100,24 @@ class _Net:
         self.slots = len(slots)
 
     def per_stage_costs(self, fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float],
-                        gsend: Sequence[float]) -> tuple[list[float], list[float]]:
-        """The cost and delay tables of per-stage costs: every subnet alike, updates and moves free."""
+                        gsend: Sequence[float], bwd_weight: Sequence[float] | None = None
+                        ) -> tuple[list[float], list[float]]:
+        """The cost and delay tables of per-stage costs: every subnet alike, updates and moves
+        free; a split backward's W takes ``bwd_weight`` of ``bwd`` (None: :data:`WEIGHT_SHARE`)."""
         P, T = self.P, self.T
-        table = [float(x) for x in fwd] + [float(x) for x in bwd] + [0.0] * P
+        table = [float(x) for x in fwd] + [float(x) for x in bwd]
+        if self.split:
+            weight = _weight_seconds(table[P:], bwd_weight)
+            table += [b - w for b, w in zip(table[P:], weight)] + weight + [0.0] * P
+        else:  # a planner's hot path: no split rows to fill
+            table += [0.0] * (3 * P)
         delays = [float(x) for x in send] * T + [float(x) for x in gsend] * T
         return table * T, delays + [0.0] * (1 + len(self.ops))
 
     def work_costs(self, work: Sequence[SubnetWork], state_time: Mapping[str, float]) -> tuple[list[float], list[float]]:
         """The cost and delay tables of one :class:`SubnetWork` per subnet and per-op move seconds."""
-        table = [x for w in work for x in (*w.fwd, *w.bwd, *w.update)]
+        table = [x for w in work for x in (*w.fwd, *w.bwd, *(b - g for b, g in zip(w.bwd, w.bwd_weight)),
+                                           *w.bwd_weight, *w.update)]
         sends = [x for w in work for x in w.send]
         return table, sends + sends + [0.0] + [float(state_time.get(op, 0.0)) for op in self.ops]
 
@@ -137,11 +160,11 @@ class Clock:
 
     @classmethod
     def per_stage(cls, rule: WaitRule, fwd: Sequence[float], bwd: Sequence[float], send: Sequence[float],
-                  grad_send: Sequence[float] | None = None) -> Clock:
+                  grad_send: Sequence[float] | None = None, bwd_weight: Sequence[float] | None = None) -> Clock:
         """A clock with per-stage costs (per micro-batch; per cut): every subnet alike, updates
-        and moves free."""
+        and moves free; ``bwd_weight``: the W's seconds of a split backward (its B takes the rest)."""
         net = _net(rule)
-        return cls(rule, *net.per_stage_costs(fwd, bwd, send, send if grad_send is None else grad_send))
+        return cls(rule, *net.per_stage_costs(fwd, bwd, send, send if grad_send is None else grad_send, bwd_weight))
 
     @classmethod
     def per_subnet(cls, rule: WaitRule, work: Sequence[SubnetWork], state_time: Mapping[str, float] | None = None

@@ -8,12 +8,17 @@ Communication is implied by the actions, never listed:
 * ``B(s, m)`` for ``s < P - 1`` receives the gradient of ``m`` from stage ``s + 1``, and for
   ``s > 0`` sends the input gradient to stage ``s - 1`` when it ends; it needs ``F(s, m)`` to
   have run on the same stage.
+* ``W(s, m)`` (the B/W split of zero-bubble pipelines, Qi et al. 2024): when a schedule lists it,
+  ``B(s, m)`` computes only the input gradient (and sends it as above) and ``W(s, m)`` the weight
+  gradient, later on the same stage; it sends and receives nothing. Without a ``W``, ``B`` is the
+  whole backward. Per (subnet, stage) either every micro-batch is split or none is.
 
 Sends are asynchronous; a receive blocks until its message was sent. Each directed channel
 (activations ``s -> s+1``, gradients ``s+1 -> s``) delivers messages in the order they were sent,
 as NCCL point-to-point does, so the receiver must consume them in the sender's order.
-Backwards run in ascending micro-batch order on every stage in every schedule: that order is the
-gradient accumulation order, and fixing it fixes the floating-point sum whatever the schedule.
+Backwards (and weight gradients) run in ascending micro-batch order on every stage in every
+schedule: that order is the gradient accumulation order, and fixing it fixes the floating-point
+sum whatever the schedule.
 
 1F1B (PipeDream-flush) for P=3, M=4; stage ``s`` warms up with ``min(M, P - s - 1)`` forwards,
 then alternates one forward and one backward, then drains the remaining backwards::
@@ -24,7 +29,14 @@ then alternates one forward and one backward, then drains the remaining backward
     stage 2 |  2F0   2B0   2F1   2B1   2F2   2B2   2F3   2B3
 
 Columns are positions in each stage's list, not clock ticks; :mod:`pipeline.plan.simulate` gives
-the timed view. Cross-subnet schedules (:mod:`pipeline.plan.admission`) keep several subnets in
+the timed view. ZB-H1 (:func:`zb_h1`) is 1F1B's order with every backward split, stage ``s``
+running each weight gradient ``s`` backwards late (the last ``s`` fill its drain)::
+
+    stage 0 |  0F0   0F1   0F2   0B0   0W0   0F3   0B1   0W1   0B2   0W2   0B3   0W3
+    stage 1 |  1F0   1F1   1B0   1F2   1B1   1W0   1F3   1B2   1W1   1B3   1W2   1W3
+    stage 2 |  2F0   2B0   2F1   2B1   2F2   2B2   2W0   2F3   2B3   2W1   2W2   2W3
+
+Cross-subnet schedules (:mod:`pipeline.plan.admission`) keep several subnets in
 flight: their actions name the subnet (``1F0@3``), each (subnet, stage) has an explicit update
 ``U``, and :class:`WaitRule` says what every action waits for. Everything here is pure: values
 in, values out.
@@ -38,12 +50,12 @@ from functools import cached_property
 
 __all__ = [
     "Action", "Schedule", "ScheduleError", "SCHEDULES", "Wait", "WaitRule", "Move",
-    "gpipe", "one_f_one_b", "forward_only", "build",
+    "gpipe", "one_f_one_b", "zb_h1", "forward_only", "build",
     "in_flight", "max_in_flight", "validate", "format_grid",
 ]
 
-KINDS = ("F", "B", "U")
-_ACTION_RE = re.compile(r"^(\d+)(?:([FB])(\d+)|(U))(?:@(\d+))?$")
+KINDS = ("F", "B", "W", "U")
+_ACTION_RE = re.compile(r"^(\d+)(?:([FBW])(\d+)|(U))(?:@(\d+))?$")
 
 
 class ScheduleError(ValueError):
@@ -52,9 +64,10 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """Stage ``stage`` runs the forward (``"F"``) or backward (``"B"``) of one micro-batch of
-    subnet ``subnet``, or that subnet's optimizer update of the stage's ops (``"U"``,
-    ``microbatch`` 0). Prints as ``1F0`` (subnet 0), ``1B2@5`` (subnet 5) or ``1U@5``."""
+    """Stage ``stage`` runs the forward (``"F"``), backward (``"B"``) or weight gradient (``"W"``,
+    the second half of a split backward) of one micro-batch of subnet ``subnet``, or that
+    subnet's optimizer update of the stage's ops (``"U"``, ``microbatch`` 0). Prints as ``1F0``
+    (subnet 0), ``1B2@5`` (subnet 5), ``1W2@5`` or ``1U@5``."""
 
     stage: int
     kind: str
@@ -82,7 +95,7 @@ class Action:
         match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if match is None:
             raise ScheduleError(
-                f"Action.parse: expected '<stage><F|B><microbatch>[@<subnet>]' such as '1F0', '0B3' or '2F1@4', "
+                f"Action.parse: expected '<stage><F|B|W><microbatch>[@<subnet>]' such as '1F0', '0B3' or '2F1@4', "
                 f"or '<stage>U[@<subnet>]', found {text!r}"
             )
         stage, kind, mb, upd, subnet = match.groups()
@@ -174,6 +187,21 @@ class Schedule:
     def __str__(self) -> str:
         return format_grid(self)
 
+    @cached_property
+    def split(self) -> frozenset[tuple[int, int]]:
+        """The (subnet, stage) pairs whose backward is split: each ``B`` there computes the input
+        gradient only, and the listed ``W`` of its micro-batch the weight gradient."""
+        return frozenset((a.subnet, a.stage) for row in self.actions for a in row if a.kind == "W")
+
+    def input_only(self, a: Action) -> bool:
+        """Whether ``a`` is a ``B`` whose weight gradient is a separate ``W`` (a split backward)."""
+        return a.kind == "B" and (a.subnet, a.stage) in self.split
+
+    def releases(self, a: Action) -> bool:
+        """Whether ``a`` ends its micro-batch's hold of activations on its stage: the last part of
+        its backward (the ``W`` of a split one, which needs ``B``'s record; else the ``B``)."""
+        return a.kind == ("W" if (a.subnet, a.stage) in self.split else "B")
+
     @property
     def updates(self) -> bool:
         """Whether the schedule lists its updates (a cross-subnet schedule) or implies one at the end."""
@@ -184,7 +212,7 @@ class Schedule:
         """The wait rule of this schedule (one per schedule; every user asks it)."""
         return WaitRule(self.num_stages, self.num_microbatches, self.num_subnets, self.uses, self.frozen,
                         self.delayed, self.delay, dict(self.origin) if self.origin is not None else None,
-                        self.updates, self.training)
+                        self.updates, self.training, self.split)
 
 
 class WaitRule:
@@ -193,8 +221,10 @@ class WaitRule:
 
     * ``F(t, m, s)`` waits for ``F(t, m, s - 1)`` (its input activation);
     * ``B(t, m, s)`` waits for ``F(t, m, s)`` (same stage) and ``B(t, m, s + 1)`` (its gradient);
-    * ``U(t, s)`` waits for every ``B(t, m, s)`` and, off the last stage, ``U(t, P - 1)``, which
-      sends the subnet's micro-batch losses (an update is skipped when one is not finite);
+    * ``W(t, m, s)`` (where ``(t, s)`` is in ``split``) waits for ``B(t, m, s)`` (same stage);
+    * ``U(t, s)`` waits for every ``B(t, m, s)`` (every ``W(t, m, s)`` when split) and, off the
+      last stage, ``U(t, P - 1)``, which sends the subnet's micro-batch losses (an update is
+      skipped when one is not finite);
     * with ``uses``: ``F(t, 0, s)`` waits, for each op it runs, for the update that produces the
       version it reads — the last earlier subnet using the op (exact), the one ``delay + 1``
       users back (delayed), none (frozen) — on the stage that op had then (a ``state`` message
@@ -210,8 +240,9 @@ class WaitRule:
     def __init__(self, num_stages: int, num_microbatches: int, num_subnets: int,
                  uses: tuple[tuple[frozenset[str], ...], ...] | None, frozen: frozenset[str],
                  delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None, updates: bool,
-                 training: bool = True) -> None:
+                 training: bool = True, split: Iterable[tuple[int, int]] = ()) -> None:
         self.P, self.M, self.T = num_stages, num_microbatches, num_subnets
+        self.split = frozenset(split)  # the (subnet, stage) pairs with a W per micro-batch
         self.uses, self.frozen, self.delayed, self.delay = uses, frozen, delayed, delay
         self.origin, self.updates, self.training = origin, updates, training
         # per op: the (subnet, stage) of each use, in subnet order
@@ -250,9 +281,12 @@ class WaitRule:
             yield Wait(Action(s, "F", m, t))
             if s < P - 1:
                 yield Wait(Action(s + 1, "B", m, t), "gradient")
+        elif a.kind == "W":
+            yield Wait(Action(s, "B", m, t))
         else:
+            last = "W" if (t, s) in self.split else "B"
             for k in range(self.M):
-                yield Wait(Action(s, "B", k, t))
+                yield Wait(Action(s, last, k, t))
             if s < P - 1:
                 yield Wait(Action(P - 1, "U", 0, t), "losses")
             if self.uses is not None:
@@ -378,6 +412,33 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", P, M, tuple(rows))
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., ICLR 2024; torch's ``ScheduleInterleavedZeroBubble`` with one stage per
+    rank): 1F1B's forwards and backwards in 1F1B's order, every backward split; stage ``s`` runs
+    the weight gradient of micro-batch ``k - s`` after backward ``k`` (the first ``s`` wait), and
+    the deferred ones after its last backward, where the drain would idle. Input gradients reach
+    stage 0 sooner (a split ``B`` is shorter), and the deferred ``W`` fill the drain.
+
+    Activations are held from ``F`` to ``W``: ``min(M, P)`` micro-batches on every stage, 1F1B's
+    peak (its stage 0's) on every stage (:func:`in_flight`).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    P, M = num_stages, num_microbatches
+    rows = []
+    for s in range(P):
+        warm = min(M, P - s - 1)
+        row = [Action(s, "F", m) for m in range(warm)]
+        for k in range(M):
+            if warm + k < M:
+                row.append(Action(s, "F", warm + k))
+            row.append(Action(s, "B", k))
+            if k >= s:
+                row.append(Action(s, "W", k - s))
+        row += [Action(s, "W", m) for m in range(max(M - s, 0), M)]
+        rows.append(tuple(row))
+    return Schedule("zbh1", P, M, tuple(rows))
+
+
 def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     """Evaluation: every forward in order, no backward."""
     _check_sizes(num_stages, num_microbatches)
@@ -385,11 +446,11 @@ def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule("forward", num_stages, num_microbatches, rows, training=False)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1}
 
 
 def build(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Build a training schedule by name (``"gpipe"`` or ``"1f1b"``)."""
+    """Build a training schedule by name (``"gpipe"``, ``"1f1b"`` or ``"zbh1"``)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"schedule name: expected one of {sorted(SCHEDULES)}, found {name!r}")
     return SCHEDULES[name](num_stages, num_microbatches)
@@ -400,18 +461,21 @@ def in_flight(name: str, num_stages: int, num_microbatches: int) -> tuple[int, .
 
     The closed form of :func:`max_in_flight` for the builders here (the partitioner's memory
     model counts the schedule object itself, ``PartitionProblem.in_flight``): ``min(M, P - s)``
-    for 1F1B, ``M`` for GPipe.
+    for 1F1B, ``M`` for GPipe, ``min(M, P)`` for ZB-H1 (held until the weight gradient).
     """
     _check_sizes(num_stages, num_microbatches)
     if name == "1f1b":
         return tuple(min(num_microbatches, num_stages - s) for s in range(num_stages))
+    if name == "zbh1":
+        return (min(num_microbatches, num_stages),) * num_stages
     if name == "gpipe":
         return (num_microbatches,) * num_stages
     raise ScheduleError(f"schedule name: expected one of {sorted(SCHEDULES)}, found {name!r}")
 
 
 def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose F has run and whose B has not (activations held).
+    """Per stage, the most micro-batches whose F has run and whose backward has not ended
+    (activations held): until its B, or its W when the backward is split (W needs B's record).
 
     A forward-only schedule keeps nothing for a backward, so it holds 0.
     """
@@ -421,7 +485,7 @@ def max_in_flight(schedule: Schedule) -> tuple[int, ...]:
     for row in schedule.actions:
         live = peak = 0
         for a in row:
-            live += {"F": 1, "B": -1}.get(a.kind, 0)
+            live += 1 if a.kind == "F" else -schedule.releases(a)
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
@@ -465,9 +529,10 @@ def _fail(schedule: Schedule, what: str, mark: Action | Iterable[Action] | None 
 
 
 def _check_actions(schedule: Schedule) -> None:
-    """Every action on its own stage, in range, exactly once; F before B on each stage; with
-    updates, one U per subnet and stage after that subnet's backwards."""
-    M, T, upd = schedule.num_microbatches, schedule.num_subnets, schedule.updates
+    """Every action on its own stage, in range, exactly once; F before B before W on each stage;
+    a W for every micro-batch of a split (subnet, stage) or none; with updates, one U per subnet
+    and stage after that subnet's backwards (weight gradients when split)."""
+    M, T, upd, split = schedule.num_microbatches, schedule.num_subnets, schedule.updates, schedule.split
     for s, row in enumerate(schedule.actions):
         seen: set[Action] = set()
         for a in row:
@@ -484,12 +549,25 @@ def _check_actions(schedule: Schedule) -> None:
             if a.kind == "B" and Action(s, "F", a.microbatch, a.subnet) not in seen:
                 raise _fail(schedule, f"{a} runs before {Action(s, 'F', a.microbatch, a.subnet)} on stage {s}; "
                                       "a backward needs its forward's activations", a)
+            if a.kind == "W" and Action(s, "B", a.microbatch, a.subnet) not in seen:
+                raise _fail(schedule, f"{a} runs before {Action(s, 'B', a.microbatch, a.subnet)} on stage {s}; "
+                                      "a weight gradient needs its backward's record (expected W after its B)", a)
             if a.kind == "U":
-                late = [str(Action(s, "B", m, a.subnet)) for m in range(M) if Action(s, "B", m, a.subnet) not in seen]
+                last, what = ("W", "weight gradient") if (a.subnet, s) in split else ("B", "backward")
+                late = [str(Action(s, last, m, a.subnet)) for m in range(M)
+                        if Action(s, last, m, a.subnet) not in seen]
                 if late:
-                    raise _fail(schedule, f"{a} runs before {', '.join(late)}; an update needs every backward "
+                    raise _fail(schedule, f"{a} runs before {', '.join(late)}; an update needs every {what} "
                                           "of its subnet on its stage", a)
             seen.add(a)
+        for t in sorted(t for t, s2 in split if s2 == s):
+            unsplit = [m for m in range(M) if Action(s, "W", m, t) not in seen]
+            if unsplit:
+                have = [m for m in range(M) if m not in unsplit]
+                raise _fail(schedule, (
+                    f"stage {s} splits the backward of subnet {t}'s micro-batches {have} (a W each) but not of "
+                    f"{unsplit}: expected a W for every micro-batch of a (subnet, stage) or for none"),
+                    [Action(s, "B", m, t) for m in unsplit])
         kinds = ("F", "B") if schedule.training else ("F",)
         missing = [str(Action(s, k, m, t)) for t in range(T) for k in kinds for m in range(M)
                    if Action(s, k, m, t) not in seen]
@@ -532,10 +610,11 @@ def _check_channels(schedule: Schedule) -> None:
 
 
 def _check_microbatch_order(schedule: Schedule) -> None:
-    """Backwards (and, with updates, forwards) of each subnet run in ascending micro-batch order
-    on every stage: the backward order is the gradient accumulation order, which fixes the
-    floating-point sum; the forward order is the order batch-norm statistics are updated in."""
-    kinds = ("B", "F") if schedule.updates else ("B",)
+    """Backwards, weight gradients (and, with updates, forwards) of each subnet run in ascending
+    micro-batch order on every stage: the backward order (the weight gradients' when split) is
+    the gradient accumulation order, which fixes the floating-point sum; the forward order is
+    the order batch-norm statistics are updated in."""
+    kinds = ("B", "W", "F") if schedule.updates else ("B", "W")
     if not schedule.training:
         return
     for s, row in enumerate(schedule.actions):
@@ -544,7 +623,7 @@ def _check_microbatch_order(schedule: Schedule) -> None:
                 xs = _order(row, kind, t)
                 for prev, a in zip(xs, xs[1:]):
                     if a.microbatch < prev.microbatch:
-                        what = "backwards" if kind == "B" else "forwards"
+                        what = {"B": "backwards", "W": "weight gradients", "F": "forwards"}[kind]
                         raise _fail(schedule, (
                             f"{a} runs after {prev}: {what} must run in ascending micro-batch order on every "
                             "stage (the gradient accumulation order, which fixes the floating-point sum)"), a)

@@ -6,7 +6,10 @@ Model (pure; values in, values out):
   is free and everything it waits for has arrived — what that is, the schedule's
   :class:`~pipeline.plan.schedule.WaitRule` says (the one definition the validator, the admission
   builder and the executor use too) — and runs for its cost: the forward or backward of one
-  micro-batch, or an update ``U``.
+  micro-batch, or an update ``U``. A split backward (the schedule lists a ``W`` per micro-batch
+  of that subnet and stage) is two actions: ``B`` takes the backward less its weight gradient,
+  ``W`` the weight gradient (``bwd_weight_time`` per stage, ``SubnetWork.bwd_weight`` per
+  subnet; default half the backward, :data:`~pipeline.plan.clock.WEIGHT_SHARE`).
 * Sends are asynchronous: they never occupy the sending stage. Each cut ``c`` (between stage
   ``c`` and ``c + 1``) is a full-duplex link: the activation direction and the gradient direction
   are two independent FIFO resources. A transfer starts when its sender action ends and the
@@ -20,8 +23,9 @@ Model (pure; values in, values out):
   :class:`~pipeline.plan.admission.SubnetWork` per subnet of a cross-subnet schedule, with its
   own forward, backward, send and update seconds, and ``state_time`` per op).
 * Memory: a micro-batch's activations are held from the start of its F to the end of its B on
-  that stage; peak memory is ``static_bytes[s] + peak_in_flight[s] * act_bytes[s]``, with the
-  peak taken over the simulated timeline (same-instant events in action order).
+  that stage (of its W when split: W needs B's record); peak memory is ``static_bytes[s] +
+  peak_in_flight[s] * act_bytes[s]``, with the peak taken over the simulated timeline
+  (same-instant events in action order).
 * Host channels (only when ``copies`` are given, with :class:`HostLinks`): each stage has a
   host-to-device (``h2d``) and a device-to-host (``d2h``) direction of its host link, and a
   ``host`` channel for work the host does for it (the optimizer update of state kept in host
@@ -56,7 +60,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -169,11 +173,11 @@ def _per(name: str, values: Sequence[float] | None, n: int, what: str) -> tuple[
 
 
 def _clock(schedule: Schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time,
-           check: bool) -> Clock:
+           check: bool, bwd_weight_time=None) -> Clock:
     """A fresh clock for ``schedule`` with its costs given per stage or per subnet (``work``)."""
     P, T = schedule.num_stages, schedule.num_subnets
     if work is not None:
-        if fwd_time is not None or bwd_time is not None or send_time is not None or grad_send_time is not None:
+        if any(x is not None for x in (fwd_time, bwd_time, send_time, grad_send_time, bwd_weight_time)):
             raise SimulationError("simulate: costs given twice; expected per-stage costs (fwd_time, bwd_time, "
                                   "send_time) or per-subnet costs (work), not both")
         if check:
@@ -198,7 +202,13 @@ def _clock(schedule: Schedule, fwd_time, bwd_time, send_time, grad_send_time, wo
         bwd_time = _per("bwd_time", bwd_time, P, "stage")
         send_time = _per("send_time", send_time, P - 1, "cut between stages")
         grad_send_time = None if grad_send_time is None else _per("grad_send_time", grad_send_time, P - 1, "cut")
-    return Clock.per_stage(schedule.rule, fwd_time, bwd_time, send_time, grad_send_time)
+        if bwd_weight_time is not None:
+            bwd_weight_time = _per("bwd_weight_time", bwd_weight_time, P, "stage")
+            for s, (w, b) in enumerate(zip(bwd_weight_time, bwd_time)):
+                if w > b:
+                    raise SimulationError(f"bwd_weight_time[{s}]: expected at most the backward's "
+                                          f"{b} seconds (the weight gradient is part of it), found {w}")
+    return Clock.per_stage(schedule.rule, fwd_time, bwd_time, send_time, grad_send_time, bwd_weight_time)
 
 
 # per schedule (through its rule, which belongs to it alone), forgotten with it
@@ -217,13 +227,14 @@ def _program(schedule: Schedule) -> tuple[list[list[int]], list[int]]:
     return hit
 
 
-def _peak_live(spans: tuple[Span, ...]) -> int:
-    """The most micro-batches held at once: +1 at each F start, -1 at each B end.
+def _peak_live(spans: tuple[Span, ...], releases: Callable[[Action], bool]) -> int:
+    """The most micro-batches held at once: +1 at each F start, -1 at the end of each action
+    that ``releases`` its micro-batch (a B, or the W of a split backward).
 
     Events at the same instant are taken in action order, so a B that ends as the next F
     starts frees first, and a zero-length F then B of one micro-batch still counts it.
     """
-    spans = tuple(sp for sp in spans if sp.action.kind != "U")
+    spans = tuple(sp for sp in spans if sp.action.kind == "F" or releases(sp.action))
     if not spans:
         return 0
     is_f = np.array([sp.action.kind == "F" for sp in spans])
@@ -246,6 +257,7 @@ def simulate(
     *,
     work: Sequence[SubnetWork] | None = None,
     state_time: Mapping[str, float] | None = None,
+    bwd_weight_time: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` (one step, or a cross-subnet schedule's whole sequence of subnets).
 
@@ -253,14 +265,17 @@ def simulate(
     ``P - 1`` entries (cut ``c`` joins stage ``c`` and ``c + 1``); every subnet alike, updates and
     moves free. Or per subnet: ``work`` (one :class:`~pipeline.plan.admission.SubnetWork` per
     subnet: forward, backward, update and send seconds) and ``state_time`` (op -> seconds its
-    move takes). ``copies`` (with ``links``): jobs on the stages' host channels (module doc);
-    without them the result is the same as before channels existed. Raises
+    move takes). ``bwd_weight_time``: per stage, the seconds of a split backward's ``W`` (its
+    ``B`` takes the rest of ``bwd_time``; default half). ``copies`` (with ``links``): jobs on
+    the stages' host channels (module doc); without them the result is the same as before
+    channels existed. Raises
     :class:`ScheduleError` for an invalid schedule and :class:`SimulationError` for costs of the
     wrong shape.
     """
     _validate_once(schedule)
     P = schedule.num_stages
-    clock = _clock(schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time, check=True)
+    clock = _clock(schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time, check=True,
+                   bwd_weight_time=bwd_weight_time)
     with_memory = static_bytes is not None or act_bytes is not None
     static = _per("static_bytes", static_bytes, P, "stage")
     act = _per("act_bytes", act_bytes, P, "stage")
@@ -283,7 +298,7 @@ def simulate(
     busy = tuple(sum(sp.end - sp.start for sp in row) for row in timeline)
     bubble = 1.0 - sum(busy) / (P * step_time) if step_time > 0 else 0.0
     if schedule.training:
-        peaks = tuple(_peak_live(row) for row in timeline)
+        peaks = tuple(_peak_live(row, schedule.releases) for row in timeline)
     else:
         peaks = (0,) * P  # nothing is kept for a backward
     memory = tuple(static[s] + peaks[s] * act[s] for s in range(P)) if with_memory else None
@@ -307,11 +322,13 @@ def _waited(clock: Clock, schedule: Schedule, rows: list[list[int]]) -> dict[Act
 
 def makespan(schedule: Schedule, fwd_time: Sequence[float] | None = None, bwd_time: Sequence[float] | None = None,
              send_time: Sequence[float] | None = None, grad_send_time: Sequence[float] | None = None, *,
-             work: Sequence[SubnetWork] | None = None, state_time: Mapping[str, float] | None = None) -> float:
+             work: Sequence[SubnetWork] | None = None, state_time: Mapping[str, float] | None = None,
+             bwd_weight_time: Sequence[float] | None = None) -> float:
     """:func:`simulate`'s ``step_time`` without validation or a timeline: fast enough for a
     planner to score candidate partitions. ``schedule`` must be valid (the builders' are)."""
     _, order = _program(schedule)
-    clock = _clock(schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time, check=False)
+    clock = _clock(schedule, fwd_time, bwd_time, send_time, grad_send_time, work, state_time, check=False,
+                   bwd_weight_time=bwd_weight_time)
     clock.run(order)
     return max(clock.free, default=0.0)
 
