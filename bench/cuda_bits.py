@@ -8,6 +8,8 @@ break that, and this measures each apart, in one run, on the job's GPU:
   of one config give the same bits at all?
 * ``budget``: a budget that forces evictions, each optimizer placement (``device``: the update on
   the GPU; ``host``/``hybrid``: some updates on the CPU), against all-resident, deterministic kernels;
+* ``elementwise``: each operation an update is made of, CPU against GPU (an H200: the float
+  ``sqrt`` and a division by a scalar differ; in float64 the square root does not);
 * ``update``: one optimizer step (SGD with momentum, torch's AdamW, :class:`PortableAdamW`) of
   the same tensors on the CPU and on the GPU: the same bits or not (torch's AdamW kernels fuse
   multiply-adds, which the CPU and the GPU round differently; the tensor manager runs
@@ -85,6 +87,26 @@ def update_bits(optim: str, portable: bool = False) -> bool:
     return torch.equal(outs[0], outs[1])
 
 
+ELEMENTWISE = {  # the operations an optimizer update is made of, each one kernel
+    "mul_scalar": lambda x, y: x * 0.1, "add_scalar": lambda x, y: x + 1e-8, "add": lambda x, y: x + y,
+    "sub": lambda x, y: x - y, "mul": lambda x, y: x * y, "div": lambda x, y: x / y,
+    "div_scalar": lambda x, y: x / 0.7, "mul_reciprocal": lambda x, y: x * (1 / 0.7),
+    "sqrt": lambda x, y: y.sqrt(), "sqrt_in_float64": lambda x, y: y.double().sqrt().float(),
+}
+
+
+def elementwise_bits() -> list[dict]:
+    """Per operation, how many of 65,536 float32 results differ between the CPU and the GPU."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1 << 16, generator=g), torch.randn(1 << 16, generator=g).abs() + 0.1
+    rows = []
+    for name, f in ELEMENTWISE.items():
+        c, d = f(a, b), f(a.cuda(), b.cuda()).cpu()
+        rows.append({"bench": "cuda_bits", "what": "elementwise", "op": name, "same": torch.equal(c, d),
+                     "differing": int((c != d).sum()), "of": c.numel()})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--space", default="conv")
@@ -92,6 +114,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/cuda_bits.py: needs CUDA")
+    for row in elementwise_bits():
+        print(json.dumps(row), flush=True)
     for optim, portable in (("sgd", False), ("adamw", False), ("adamw", True)):
         print(json.dumps({"bench": "cuda_bits", "what": "update", "optim": optim, "portable": portable,
                           "same": update_bits(optim, portable)}), flush=True)

@@ -80,7 +80,11 @@ class PortableAdamW(torch.optim.Optimizer):
                 p.mul_(1 - lr * wd)
                 m.mul_(b1).add_(g * (1 - b1))
                 v.mul_(b2).add_((g * g).mul_(1 - b2))
-                denom = v.sqrt().div_(math.sqrt(1 - b2 ** t)).add_(eps)
+                # measured on an H200 (bench/cuda_bits.py): CUDA divides a tensor by a scalar as a
+                # multiply by its reciprocal and rounds its float sqrt apart from the CPU; so a
+                # multiply by the reciprocal, and the square root in float64, rounded once to float
+                # (a correctly rounded double sqrt rounds to the correctly rounded float one)
+                denom = v.double().sqrt_().to(v.dtype).mul_(1 / math.sqrt(1 - b2 ** t)).add_(eps)
                 p.sub_(m.div(denom).mul_(lr / (1 - b1 ** t)))
         return None
 
