@@ -4,7 +4,7 @@ Several subnets in flight (``pipeline.window``), P = 2 and 3 gloo ranks, the thr
 spaces, random and fair subnet streams, ops migrating between stages: per-step and
 per-micro-batch losses, evaluations and the final params_digest equal the reference's, in each
 shared-op mode (exact: sequential training; delayed and frozen: the reference runs the same
-semantics). The delayed runs cross checkpoint boundaries, where reads of old versions restart.
+semantics), with and without the B/W split. The delayed runs cross checkpoint boundaries, where reads of old versions restart.
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ SCENARIOS = [
              extra={**MIGRATING, "window": 3, "shared_ops": "frozen"}, eval_archs=1),
     Scenario("cell", "1f1b", steps=8, segment=8, sampler="uniform",
              extra={**MIGRATING, "window": 2, "shared_ops": "delayed", "shared_delay": 1}),
+    # the B/W split across subnets (pipeline.schedule=zbh1): each W where its stage would idle
+    Scenario("transformer", "zbh1", steps=6, segment=6, optimizer="adamw", sampler="fair",
+             extra={**MIGRATING, "window": 3, "shared_ops": "delayed", "shared_delay": 1}),
+    Scenario("conv", "zbh1", steps=6, segment=6, extra={**MIGRATING, "window": 4}, eval_archs=1),
 ]
 
 
