@@ -22,6 +22,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .errors import SupernetError
 from .graph import INPUT, ActiveOp, SupernetGraph
@@ -207,7 +208,6 @@ class SliceRun:
             return stack.pop() if stack else env[nd]
 
         leaves = [_leaf(nd, t) for nd, t in zip(sl.inputs, inputs)]
-        weighted: list[tuple[torch.Tensor, list[nn.Parameter]]] = []  # (op output, op's trainable params)
         with torch.enable_grad():
             for nd, t, lf in zip(sl.inputs, inputs, leaves):
                 bind(nd, lf if lf is not None else t)
@@ -220,15 +220,10 @@ class SliceRun:
                     for j in link_args:
                         if args[j].requires_grad and not contiguous[j]:
                             args[j].register_hook(_contiguous)
-                module = self._module(op.op_id)
-                out = run_with_policy(module, args, self._ctx(op.op_id), self._policy)
-                if self.split and out.requires_grad:
-                    params = [p for p in module.parameters() if p.requires_grad]
-                    if params:
-                        weighted.append((out, params))
+                out = run_with_policy(self._module(op.op_id), args, self._ctx(op.op_id), self._policy)
                 bind(op.node, out)
             outs = [take(nd) for nd in sl.outputs]
-        self._record = (leaves, outs, weighted)
+        self._record = (leaves, outs)
         return outs
 
     def backward(self, out_grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -238,52 +233,60 @@ class SliceRun:
         A ``split`` run computes only the input gradients here (B of a split backward, on the
         critical path); the weight gradients wait for :meth:`backward_weight` (W), which frees
         the record."""
-        leaves, outs, weighted = self._take_record()
+        leaves, outs = self._take_record()
         roots = [(o, g) for o, g in zip(outs, out_grads) if g is not None and o.requires_grad]
-        return self._backward([o for o, _ in roots], [g for _, g in roots], leaves, weighted)
+        return self._backward([o for o, _ in roots], [g for _, g in roots], leaves)
 
     def backward_loss(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
         """Backward from a loss computed on this slice's outputs (the last stage): the loss
         is part of the slice's graph, so this is the one autograd call of the micro-batch
         (split: as in :meth:`backward`)."""
-        leaves, _, weighted = self._take_record()
-        return self._backward([loss], [None], leaves, weighted)
+        leaves, _ = self._take_record()
+        return self._backward([loss], [None], leaves)
 
-    def _backward(self, roots: list[torch.Tensor], grads: list, leaves: list,
-                  weighted: list) -> list[torch.Tensor | None]:
+    def _backward(self, roots: list[torch.Tensor], grads: list, leaves: list) -> list[torch.Tensor | None]:
+        if not roots:
+            self._weights = [] if self.split else None
+            return [None] * len(leaves)
         if not self.split:
-            if roots:
-                torch.autograd.backward(roots, grads)
+            torch.autograd.backward(roots, grads)
             return [None if lf is None else lf.grad for lf in leaves]
-        # B: the gradients of the slice's inputs and of every op output that has weights behind
-        # it, nothing of the weights (autograd skips the weight-gradient kernels no input needs).
-        # Each op's output gradient is caught by a hook that runs after the op's own hooks, so it
-        # is the gradient that op's backward starts from in the whole backward.
-        caught: dict[int, torch.Tensor] = {}
-        hooks = [out.register_hook(lambda g, i=i: caught.__setitem__(i, g)) for i, (out, _) in enumerate(weighted)]
-        wanted = [lf for lf in leaves if lf is not None] + [out for out, _ in weighted]
+        # B: only the nodes on a path to an input; each node where a path to a weight leaves
+        # them (its "boundary") has the gradient it received caught, for W to start from.
+        inputs = [lf for lf in leaves if lf is not None]
+        edges = _weight_edges(roots, grads, inputs)
+        nodes = [node for group, _ in edges.groups for node in group]
+        caught: dict = {}
+        hooks = [node.register_prehook(lambda g, node=node: caught.__setitem__(node, g)) for node in nodes]
         try:
-            if roots and wanted:
-                torch.autograd.backward(roots, grads, inputs=wanted, retain_graph=True)
+            if inputs:
+                torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=True)
         finally:
             for h in hooks:
                 h.remove()
-        for out, _ in weighted:
-            out.grad = None  # accumulated there as an input of the call above: the hook has it
-        self._weights = [(out, caught.get(i), params) for i, (out, params) in enumerate(weighted)]
+        calls = []  # (where W starts, the gradients there, the weights it reaches)
+        if edges.roots:
+            calls.append((list(edges.roots), list(edges.root_grads), edges.root_params))
+        for group, params in edges.groups:
+            starts = [(GradientEdge(node, k), g) for node in group for k, g in enumerate(caught.get(node, ()))
+                      if g is not None]
+            if starts:
+                calls.append(([e for e, _ in starts], [g for _, g in starts], params))
+        self._weights = calls
         return [None if lf is None else lf.grad for lf in leaves]
 
     def backward_weight(self) -> None:
-        """W of a split backward: each op's weight gradients from the output gradient B caught,
-        op by op in reverse order (the whole backward's), each one autograd call that reaches
-        only that op's weights; then frees the record. The kernels and their inputs are the
-        whole backward's, so the gradients are its bits."""
+        """W of a split backward: the weight gradients, from the nodes where B left the weights'
+        paths, with the gradients it caught there: one autograd call per group of weights, each
+        reaching only its own weights, so it runs only what B did not (the weight-gradient
+        kernels and what lies between them and the weights); then frees the record. Each node computes its weight gradients from the same inputs as in the
+        whole backward, so they are its bits."""
         if self._weights is None:
             raise SupernetError("slice weight backward: no split backward (SliceRun(split=True), backward) to finish")
-        weights, self._weights = self._weights, None
-        for out, g, params in reversed(weights):
-            if g is not None:
-                torch.autograd.backward([out], [g], inputs=params)
+        calls, self._weights = self._weights, None
+        for starts, grads, params in calls:
+            if params:
+                torch.autograd.backward(starts, grads, inputs=list(params))
         self._record = None
 
     def _take_record(self):
@@ -295,6 +298,74 @@ class SliceRun:
         if not self.split:
             self._record = None
         return record
+
+
+@dataclass(frozen=True)
+class _WeightEdges:
+    """Where a split backward's W starts. ``groups``: per group of weights, the nodes B runs
+    that lead to them off B's paths (the gradients B catches at those nodes start W there) and
+    the weights; a weight reached from several such nodes puts them in one group. ``roots`` and
+    ``root_grads``: the roots B does not run at all (no input below them), where W starts
+    with every weight below them (``root_params``)."""
+
+    groups: tuple  # ((node, ...), (param, ...)) per group
+    roots: tuple
+    root_grads: tuple
+    root_params: tuple
+
+
+def _weight_edges(roots: Sequence[torch.Tensor], grads: Sequence, inputs: Sequence[torch.Tensor]) -> _WeightEdges:
+    """Walk the autograd graph below ``roots`` once: which nodes lead to an input (B runs
+    them), which weights lie below each node off those paths, and where the two part."""
+    input_nodes = {get_gradient_edge(t).node for t in inputs}
+    order: list = []  # post-order: every node after the nodes below it
+    seen: set = set()
+    stack = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((nxt, False) for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
+    to_input: dict = {}
+    weights: dict = {}  # node -> the trainable weights below it (ids -> tensors)
+    for node in order:
+        below = [nxt for nxt, _ in node.next_functions if nxt is not None]
+        to_input[node] = node in input_nodes or any(to_input[n] for n in below)
+        var = getattr(node, "variable", None)
+        mine = {id(var): var} if var is not None and node not in input_nodes and var.requires_grad else {}
+        for n in below:
+            mine.update(weights[n])
+        weights[node] = mine
+    # each node B runs whose children off B's paths lead to weights, with those weights
+    starts = []
+    for node in order:
+        if to_input[node]:
+            off = {}
+            for n, _ in node.next_functions:
+                if n is not None and not to_input[n]:
+                    off.update(weights[n])
+            if off:
+                starts.append((node, off))
+    # nodes whose weights overlap share one autograd call (a weight's gradients sum in it)
+    groups: list[tuple[list, dict]] = []
+    for node, off in starts:
+        hit = [g for g in groups if g[1].keys() & off.keys()]
+        nodes, params = [node], dict(off)
+        for g in hit:
+            nodes, params = g[0] + nodes, {**g[1], **params}
+            groups.remove(g)
+        groups.append((nodes, params))
+    cold = [(r, g) for r, g in zip(roots, grads) if r.grad_fn is not None and not to_input[r.grad_fn]]
+    root_params: dict = {}
+    for r, _ in cold:
+        root_params.update(weights[r.grad_fn])
+    return _WeightEdges(tuple((tuple(n), tuple(p.values())) for n, p in groups), tuple(r for r, _ in cold),
+                        tuple(g for _, g in cold), tuple(root_params.values()))
 
 
 def _grads_contiguous(op: ActiveOp, args: Sequence[torch.Tensor]) -> tuple[bool, ...]:
