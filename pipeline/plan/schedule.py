@@ -422,21 +422,17 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     Activations are held from ``F`` to ``W``: ``min(M, P)`` micro-batches on every stage, 1F1B's
     peak (its stage 0's) on every stage (:func:`in_flight`).
     """
-    _check_sizes(num_stages, num_microbatches)
-    P, M = num_stages, num_microbatches
+    base = one_f_one_b(num_stages, num_microbatches)
     rows = []
-    for s in range(P):
-        warm = min(M, P - s - 1)
-        row = [Action(s, "F", m) for m in range(warm)]
-        for k in range(M):
-            if warm + k < M:
-                row.append(Action(s, "F", warm + k))
-            row.append(Action(s, "B", k))
-            if k >= s:
-                row.append(Action(s, "W", k - s))
-        row += [Action(s, "W", m) for m in range(max(M - s, 0), M)]
-        rows.append(tuple(row))
-    return Schedule("zbh1", P, M, tuple(rows))
+    for s, row in enumerate(base.actions):
+        split: list[Action] = []
+        for a in row:  # 1F1B's row, W(k - s) right after B(k)
+            split.append(a)
+            if a.kind == "B" and a.microbatch >= s:
+                split.append(Action(s, "W", a.microbatch - s))
+        split += [Action(s, "W", m) for m in range(max(num_microbatches - s, 0), num_microbatches)]
+        rows.append(tuple(split))
+    return Schedule("zbh1", num_stages, num_microbatches, tuple(rows))
 
 
 def forward_only(num_stages: int, num_microbatches: int) -> Schedule:
