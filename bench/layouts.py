@@ -14,7 +14,7 @@ run's own ``train_time_s`` (summary.json: training alone, no start-up): the defa
 steps, the transformer (``space=transformer space.width=256 space.layers=8``) for 150. Layouts:
 ``one_process`` (``python -m search threads=1``, the baseline), and under ``torchrun
 --nproc_per_node=2``: ``flushed`` (``pipeline.stages=2``, one flushed 1F1B step per subnet: the
-default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB-H1), ``window4`` (two stages, ``pipeline.window=4 pipeline.shared_ops=delayed``),
+default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB-H1), ``window4`` (two stages, ``pipeline.window=4 pipeline.shared_ops=delayed``; ``window4_zbh1`` with the split),
 ``stages1`` (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
 pipeline.window=auto``: the layout chooser's pick, the default under torchrun). ``window4``
 reads shared ops one update late (other weights than the rest: the issue's table has it); the
@@ -55,10 +55,12 @@ LAYOUTS = {  # name: (processes, overrides)
     "flushed": (2, ["pipeline.stages=2", "pipeline.window=1"]),
     "flushed_zbh1": (2, ["pipeline.stages=2", "pipeline.window=1", "pipeline.schedule=zbh1"]),
     "window4": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed"]),
+    "window4_zbh1": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                         "pipeline.schedule=zbh1"]),
     "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
     "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
 }
-HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "stages1")
+HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "window4_zbh1", "stages1")
 
 
 def _env(tree: Path) -> dict[str, str]:
