@@ -46,7 +46,10 @@ moves after the update before):
   figures without the split (``unsplit_*``) in the same line, for each (eps, cap) of the rows
   above. A weight gradient costs half the backward of an op with parameters (the weight and
   input gradients of a matmul are one matmul each) and nothing for one without (every op of
-  this space has parameters). ``flush_bound_split``: window 1 with the split.
+  this space has parameters). ``flush_bound_split``: window 1 with the split. One more row per
+  setting has the runtime's split (``pipeline.schedule=zbh1``): its default cap, ``P`` on every
+  stage (ZB-H1's rule: any stage may hold what 1F1B's first one holds), beside the runtime's
+  default without the split (1F1B's cap, eps 0.05).
 * ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
 
 Real rows (``--mode real``: gloo runs of the app on this machine, P = 2, M = 4, alternating
@@ -204,11 +207,13 @@ def _flush_1f1b(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int]) -
 
 
 def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: int, shared: frozenset[str],
-            origin: Mapping[str, int], state_time: Mapping[str, float], cap: int = 1, split: bool = False) -> dict:
+            origin: Mapping[str, int], state_time: Mapping[str, float], cap: int | None = 1,
+            split: bool = False) -> dict:
     """Utilisation and makespan of the cross-subnet schedule of ``work``; ``cap``: the in-flight
-    cap per stage in multiples of 1F1B's ``P - s``; ``split``: every backward split into B and W."""
+    cap per stage in multiples of 1F1B's ``P - s`` (None: the builder's default, 1F1B's, or with
+    the split ``P`` on every stage); ``split``: every backward split into B and W."""
     P = len(work[0].uses)
-    kw = dict(origin=origin, state_time=state_time, cap=[cap * (P - s) for s in range(P)],
+    kw = dict(origin=origin, state_time=state_time, cap=None if cap is None else [cap * (P - s) for s in range(P)],
               frozen=shared if mode == "frozen" else frozenset(),
               delayed=shared if mode == "delayed" else frozenset(), delay=delay if mode == "delayed" else 0)
     sched = cross_subnet(work, M, window, split=split, **kw)
@@ -259,7 +264,8 @@ def row(P: int, M: int, sampler: str, mode: str, picked: dict, flush: dict, subn
         bench: str = "cross_subnet", cap: int = 1, eps: float = 0.05) -> dict:
     return {"bench": bench, "mode": "simulated", "P": P, "M": M, "window": picked["window"], "sampler": sampler,
             "shared_ops": mode, "delay": picked["delay"], "utilisation": picked["utilisation"],
-            "cap": f"{cap}x 1F1B (P - s)", "eps": eps,
+            "cap": f"{cap}x 1F1B (P - s)" if cap is not None else "P on every stage (ZB-H1's rule: the runtime's "
+                   "default with the split)", "eps": eps,
             "flush_bound": flush["flush_bound"],
             "over_flush": flush["flush_makespan_s"] / picked["makespan_s"],
             "flush_1f1b_utilisation": flush["flush_1f1b_utilisation"],
@@ -335,6 +341,8 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     if bw_split:
         for (e, cap), picked in unsplit.items():
             out.append(split_row(P, M, sampler, streams[e], shared, picked, subnets, seed, cap, e))
+        # the runtime's split: its default cap (ZB-H1's rule), beside the runtime without the split
+        out.append(split_row(P, M, sampler, streams[eps], shared, unsplit[(eps, 1)], subnets, seed, None, eps))
     return out
 
 

@@ -80,7 +80,8 @@ class LookaheadPlanner:
         # the step's schedule (the partitioner prices a split with it) and, with several subnets
         # in flight, the activations each stage may hold across them
         self.schedule = schedule if schedule is not None else build_schedule(settings.schedule, num_stages, microbatches)
-        self.in_flight = (in_flight_bound(num_stages, microbatches, settings.window) if settings.cross else None)
+        self.in_flight = (in_flight_bound(num_stages, microbatches, settings.window, settings.split_backward)
+                          if settings.cross else None)
         self.settings, self.costs, self.can_move_early = settings, costs, can_move_early
         self.runtime, self.replicas = runtime, replicas
         self.planner = None

@@ -292,7 +292,7 @@ class PipelineEngine:
             [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
             delayed=self.shared.delayed & used, delay=self.settings.shared_delay, origin=origin,
             state_time=self.planner.move_seconds(), arena=self._arena_bound(),
-            split=self.settings.schedule == "zbh1"))  # the B/W split, each W where its stage idles
+            split=self.settings.split_backward))  # the B/W split, each W where its stage idles
 
     def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None,
                  tail: Arch | None) -> _Prepared:

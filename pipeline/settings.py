@@ -74,6 +74,12 @@ class PipelineSettings:
         ops read late or frozen) rather than one flushed step per subnet."""
         return (self.window != "auto" and self.window > 1) or self.shared_ops != "exact"
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether each backward is split into B (input gradient) and W (weight gradient):
+        ``schedule=zbh1``, flushed or across subnets."""
+        return self.schedule == "zbh1"
+
     def budgets(self, num_stages: int) -> tuple[float, ...] | None:
         return None if self.memory_budget_bytes is None else (float(self.memory_budget_bytes),) * num_stages
 

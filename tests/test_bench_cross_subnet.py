@@ -97,14 +97,18 @@ def test_ratios_are_of_the_same_work(rows: list[dict]) -> None:
 
 def test_bw_split_rows_sit_beside_the_same_setting_without(rows: list[dict]) -> None:
     split = [r for r in rows if r["bench"] == "bw_split"]
-    # one per fair/delayed setting: the main row's (eps 0.05, 1x cap) and each option's
+    # one per fair/delayed setting: the main row's (eps 0.05, 1x cap) and each option's, and the
+    # runtime's split (its default cap, ZB-H1's rule) beside the main row
+    zb = "P on every stage (ZB-H1's rule: the runtime's default with the split)"
     assert sorted((r["M"], r["eps"], r["cap"]) for r in split) == sorted(
-        (M, e, f"{c}x 1F1B (P - s)") for M in (1, 2) for e, c in ((0.05, 1), (0.0, 1), (0.05, 2), (0.0, 2)))
+        [(M, e, f"{c}x 1F1B (P - s)") for M in (1, 2) for e, c in ((0.05, 1), (0.0, 1), (0.05, 2), (0.0, 2))]
+        + [(M, 0.05, zb) for M in (1, 2)])
     for r in split:
         assert r["sampler"] == "fair" and r["shared_ops"] == "delayed" and r["split"] is True
+        cap = "1x 1F1B (P - s)" if r["cap"] == zb else r["cap"]
         (same,) = [x for x in rows if x["bench"] in ("cross_subnet", "cross_subnet_options") and x["M"] == r["M"]
                    and x["sampler"] == "fair" and x["shared_ops"] == "delayed" and (x["eps"], x["cap"]) == (r["eps"],
-                                                                                                       r["cap"])]
+                                                                                                       cap)]
         assert (r["unsplit_utilisation"], r["unsplit_window"], r["unsplit_delay"]) == (
             same["utilisation"], same["window"], same["delay"])
         assert r["flush_bound"] == same["flush_bound"]  # the same stream, the same baseline

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import pipeline.plan.schedule as schedule_module
-from pipeline.plan.admission import SubnetWork, _admit, cross_subnet, flushed, sequential
+from pipeline.plan.admission import SubnetWork, _admit, cross_subnet, flushed, in_flight_bound, sequential
 from pipeline.plan.clock import WEIGHT_SHARE
 from pipeline.plan.schedule import (
     Action, Schedule, ScheduleError, Wait, build, format_grid, in_flight, max_in_flight, one_f_one_b, validate,
@@ -248,7 +248,9 @@ def test_split_schedules_keep_the_semantics_and_place_w_after_b_before_u(mode: s
     check_sequential_semantics(sched, {op: mode for op in ("stem", "head")}, kw["delay"])
     check_window(sched, window)
     P = sched.num_stages
-    assert all(peak <= P - s for s, peak in enumerate(max_in_flight(sched)))  # held until W, within the cap
+    # held until W, within the split's cap: P on every stage (ZB-H1's rule)
+    assert all(peak <= c for c, peak in zip(in_flight_bound(P, M, window, split=True), max_in_flight(sched)))
+    assert in_flight_bound(P, M, window, split=True) == tuple(min(P, window * M) for _ in range(P))
     # without the split, the same instance gives exactly the schedule it gave before (no W)
     plain = cross_subnet(work, M, window, **kw)
     assert plain.split == frozenset()
@@ -289,12 +291,13 @@ def test_a_w_runs_only_where_no_backward_or_update_is_ready(mode: str, seed: int
 
 
 def test_window_one_with_equal_costs_runs_each_w_right_after_its_b() -> None:
-    """Flushed, equal costs, 1F1B's cap held until W: 1F1B's order with each W where the stage
-    would wait for the next gradient or the cap, i.e. right after its B; faster than 1F1B by the
-    shorter backward on the critical path ((P - 1) x W per subnet)."""
+    """Flushed, equal costs, 1F1B's cap (P - s, not the split's default P) held until W: 1F1B's
+    order with each W where the stage would wait for the next gradient or the cap, i.e. right
+    after its B; faster than 1F1B by the shorter backward on the critical path ((P - 1) x W per
+    subnet)."""
     P, M, T = 3, 4, 2
     work = [SubnetWork(tuple({f"w{s}"} for s in range(P)), (1.0,) * P, (2.0,) * P) for _ in range(T)]
-    sched = flushed(work, M, split=True)
+    sched = flushed(work, M, split=True, cap=[P - s for s in range(P)])
     ref = one_f_one_b(P, M)
     for s, row in enumerate(sched.actions):
         want = [x for t in range(T) for a in (*ref.actions[s], Action(s, "U", 0)) for x in (

@@ -16,7 +16,9 @@ The builder is a list scheduler over estimated times, taken from the simulator's
 :func:`~pipeline.plan.simulate.simulate` replays of the result): each stage, when free, runs the
 ready action of highest priority (an update, then a backward, then a forward; older subnets and
 micro-batches first), and a stage holds at most ``cap[s]`` micro-batches between forward and
-backward (``P - s`` by default: 1F1B's bound, now across subnet boundaries). With ``split``,
+backward (by default :func:`in_flight_bound`'s: 1F1B's ``P - s``, now across subnet boundaries;
+with the split, ``P`` on every stage, ZB-H1's rule: any stage may hold what 1F1B's first one
+holds). With ``split``,
 each backward is two actions (zero-bubble pipelines, Qi et al. 2024): ``B``, the input gradient
 the stage before waits for, chosen as above, and ``W``, the weight gradient nobody waits for but
 the subnet's update, run only when nothing else is ready on its stage (so it never delays a ready
@@ -35,50 +37,16 @@ inputs without a message.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .clock import WEIGHT_SHARE, Clock
+from .clock import Clock
 from .schedule import Action, Schedule, ScheduleError, WaitRule
+from .values import SubnetWork
 
 __all__ = ["ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential"]
 
 _PRIORITY = {"U": 0, "B": 1, "F": 2, "W": 3}
-
-
-@dataclass(frozen=True)
-class SubnetWork:
-    """One subnet of the sequence: per stage, the ops with state it runs there (``uses``) and
-    the seconds of one micro-batch's forward and backward (``fwd``, ``bwd``); per cut, the
-    seconds its activation or gradient takes on the link (``send``); per stage, the update's
-    seconds (``update``, default 0) and the weight gradient's part of ``bwd`` (``bwd_weight``:
-    a split backward's W takes it, its B the rest; default :data:`~pipeline.plan.clock.WEIGHT_SHARE`
-    of ``bwd``)."""
-
-    uses: tuple[frozenset[str], ...]
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
-    send: tuple[float, ...] = ()
-    update: tuple[float, ...] = ()
-    bwd_weight: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        P = len(self.uses)
-        object.__setattr__(self, "uses", tuple(frozenset(u) for u in self.uses))
-        for name, n in (("fwd", P), ("bwd", P), ("send", P - 1), ("update", P), ("bwd_weight", P)):
-            v = tuple(float(x) for x in getattr(self, name))
-            if not v and name in ("send", "update"):
-                v = (0.0,) * n
-            elif not v and name == "bwd_weight":  # bwd is checked by now
-                v = tuple(WEIGHT_SHARE * b for b in self.bwd)
-            if len(v) != n or not all(math.isfinite(x) and x >= 0 for x in v):
-                raise ScheduleError(f"SubnetWork.{name}: expected {n} finite non-negative seconds, found {v!r}")
-            object.__setattr__(self, name, v)
-        late = [s for s in range(P) if self.bwd_weight[s] > self.bwd[s]]
-        if late:
-            raise ScheduleError(f"SubnetWork.bwd_weight: expected at most bwd per stage (the weight gradient is "
-                                f"part of the backward), found {self.bwd_weight} against bwd {self.bwd}")
 
 
 @dataclass(frozen=True)
@@ -151,7 +119,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     T, P, M = len(work), len(work[0].uses), num_microbatches
     if any(len(w.uses) != P for w in work):
         raise ScheduleError(f"cross_subnet: every subnet needs {P} stages, found {[len(w.uses) for w in work]}")
-    cap = tuple(cap) if cap is not None else tuple(P - s for s in range(P))
+    cap = tuple(cap) if cap is not None else tuple(min(c, P) for c in in_flight_bound(P, P, 1, split))
     if len(cap) != P or any(c < 1 for c in cap):
         raise ScheduleError(f"cross_subnet: cap expected {P} values >= 1, found {cap!r}")
     uses = tuple(w.uses for w in work)
@@ -284,11 +252,14 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     return sched, clock
 
 
-def in_flight_bound(num_stages: int, num_microbatches: int, window: int) -> tuple[int, ...]:
+def in_flight_bound(num_stages: int, num_microbatches: int, window: int, split: bool = False) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations a cross-subnet schedule holds: the
-    builder's cap ``P - s``, and no more than ``window`` subnets' ``M`` each (what the
-    partitioner's and the activation plan's memory model count)."""
-    return tuple(min(num_stages - s, window * num_microbatches) for s in range(num_stages))
+    builder's cap, ``P - s`` (1F1B's), or ``P`` on every stage with the B/W ``split`` (ZB-H1's
+    rule: a micro-batch is held until its W, and each stage may hold what 1F1B's first stage
+    does: the same peak over the stages), and no more than ``window`` subnets' ``M`` each (what
+    the partitioner's and the activation plan's memory model count)."""
+    P = num_stages
+    return tuple(min(P if split else P - s, window * num_microbatches) for s in range(P))
 
 
 def flushed(work: Sequence[SubnetWork], num_microbatches: int, **kw) -> Schedule:

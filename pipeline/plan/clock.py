@@ -15,13 +15,9 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from .schedule import Action, WaitRule
-
-if TYPE_CHECKING:
-    from .admission import SubnetWork
-    from .simulate import Copy, HostLinks
+from .values import WEIGHT_SHARE, Copy, HostLinks, SimulationError, SubnetWork
 
 __all__ = ["Clock", "SimulationError", "WEIGHT_SHARE"]
 
@@ -29,18 +25,11 @@ __all__ = ["Clock", "SimulationError", "WEIGHT_SHARE"]
 _KIND = {"F": 0, "B": 1, "W": 3, "U": 4}
 _ROWS = 5
 _INF = math.inf
-# The weight gradient's share of a backward when none is given: a matmul's backward is two
-# matmuls of its forward's size, one for the input gradient and one for the weight gradient.
-WEIGHT_SHARE = 0.5
 
 
 def _weight_seconds(bwd: Sequence[float], bwd_weight: Sequence[float] | None) -> list[float]:
     """``bwd_weight`` as floats, or :data:`WEIGHT_SHARE` of ``bwd`` when None."""
     return [WEIGHT_SHARE * float(b) for b in bwd] if bwd_weight is None else [float(x) for x in bwd_weight]
-
-
-class SimulationError(ValueError):
-    """The simulator was given costs that do not fit the schedule."""
 
 
 class _Net:

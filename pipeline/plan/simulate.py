@@ -62,15 +62,12 @@ import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .clock import Clock, SimulationError
+from .clock import Clock
 from .schedule import Action, Schedule, validate
-
-if TYPE_CHECKING:
-    from .admission import SubnetWork
+from .values import Copy, CopySpan, HostLinks, SimulationError, SubnetWork
 
 __all__ = ["Span", "SimResult", "SimulationError", "Copy", "CopySpan", "HostLinks", "CHANNELS", "makespan",
            "simulate"]
@@ -105,59 +102,6 @@ class SimResult:
     stall: tuple[float, ...] | None = None       # per stage: seconds its actions waited for copies
     free_at: dict[str, tuple[float, ...]] | None = None  # per channel and stage: when it is next free
     waited: dict[Action, float] | None = None    # with ``copies``: each action that waited for copies, seconds
-
-
-@dataclass(frozen=True)
-class Copy:
-    """One job on a stage's channel (``channel``: ``h2d``, ``d2h``, ``host``, ``peer_out`` or ``peer_in``).
-
-    ``ready``: earliest start on the step's clock (negative: issued during the step before).
-    ``after``: an action of this step the copy follows (a write-back of grads after the last
-    backward). ``before``: the action that needs it (an op's fetch before the stage's first
-    forward). ``waits_for``: indices of earlier copies that must end first (a fetch into the
-    space of an evicted op after its write-back; a weight fetch after the host's update)."""
-
-    stage: int
-    channel: str
-    nbytes: float
-    ready: float = -math.inf
-    after: Action | None = None
-    before: Action | None = None
-    waits_for: tuple[int, ...] = ()
-    label: str = ""
-
-
-@dataclass(frozen=True)
-class CopySpan:
-    copy: Copy
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class HostLinks:
-    """Per stage: the host link's rate each way (bytes/s), the host's update rate (bytes of
-    parameters per second; None: no host work) and the peer link's rate each way (None: no peer
-    link). ``*_free_at``: when each channel is next free on the step's clock (default: free)."""
-
-    h2d: tuple[float, ...]
-    d2h: tuple[float, ...]
-    host: tuple[float, ...] | None = None
-    h2d_free_at: tuple[float, ...] | None = None
-    d2h_free_at: tuple[float, ...] | None = None
-    host_free_at: tuple[float, ...] | None = None
-    peer_out: tuple[float, ...] | None = None
-    peer_in: tuple[float, ...] | None = None
-    peer_out_free_at: tuple[float, ...] | None = None
-    peer_in_free_at: tuple[float, ...] | None = None
-
-    def rate(self, channel: str, stage: int) -> float:
-        rates = getattr(self, channel)
-        if rates is None:
-            what = "a host update rate" if channel == "host" else "a peer link rate"
-            raise SimulationError(f"copy on channel {channel!r} of stage {stage}: HostLinks.{channel} is None; "
-                                  f"expected {what} per stage")
-        return rates[stage]
 
 
 def _per(name: str, values: Sequence[float] | None, n: int, what: str) -> tuple[float, ...]:
