@@ -202,6 +202,10 @@ class StageExecutor:
             shown = Action(a.stage, a.kind, a.microbatch)  # the step names the subnet
             cat = _CATEGORY[a.kind]
             with self.failures.failing(step, shown, mark=a), self.tracer.span(step, str(shown), cat):
+                nxt = row[i + 1] if i + 1 < len(row) else None
+                if self.peer is not None and nxt is not None and nxt.kind == "B":
+                    # the next backward's activations come back from the pair while this computes
+                    self.peer.prefetch((seg.steps[nxt.subnet], nxt.microbatch + self.offset))
                 inputs = None
                 for w in rule.waits(a):
                     if w.message is None or (w.action is not None and w.action.stage == me):

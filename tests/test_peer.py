@@ -167,6 +167,12 @@ def _protocol_worker(rendezvous: str, rank: int, mode: str) -> None:
         gc.collect()
         last = c.put(torch.arange(4.0), group="mb4")
         out["last"] = torch.equal(c.get(last), torch.arange(4.0)) and not c._orphans
+        # asked for ahead (the executor, one action before the backward): in flight before the unpack
+        ahead = [c.put(torch.full((5,), 7.0), group="mb5"), c.put(torch.full((2,), 8.0), group="mb5")]
+        c.prefetch("mb5")
+        c.prefetch("mb5")  # nothing left to ask
+        out["ahead"] = all(h._recv is not None for h in ahead) and [c.get(h).tolist() for h in ahead] == [
+            [7.0] * 5, [8.0] * 2]
         if mode == "holder-dies":
             h = c.put(torch.ones(5), group="mb2")
             dist.barrier()  # rank 1 exits after this: ask only once it is gone (else it may still answer)
@@ -232,7 +238,7 @@ def test_the_protocol_puts_gets_drops_and_closes() -> None:
     giver, holder = _protocol("ok")
     assert giver.returncode == 0 and holder.returncode == 0, giver.stderr[-3000:] + holder.stderr[-3000:]
     g, h = json.loads(giver.stdout.splitlines()[-1]), json.loads(holder.stdout.splitlines()[-1])
-    assert g["equal"] and g["again"] and g["first"] and g["last"]
+    assert g["equal"] and g["again"] and g["first"] and g["last"] and g["ahead"]
     assert g["sent"] == g["fetched"] + 9 * 4 + 3 * 4  # everything came back but the dropped and the orphan
     assert h["held_after"] == 0 and h["peak"] == g["before_get"]  # the holder forgot the dropped one too
 

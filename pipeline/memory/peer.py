@@ -24,8 +24,9 @@ CLOSE   (the giver's engine closes)     ends its thread
 
 Messages between a pair arrive in the order they were sent on each group, so the holder sees
 every PUT before the GET of its key and answers GETs in order. The first unpack of a micro-batch
-asks for all of that micro-batch's activations still away (the backward needs them next): they
-arrive while its first ops run backward.
+asks for all of that micro-batch's activations still away, unless the executor asked already
+(:meth:`PeerClient.prefetch`, one action before that backward): they arrive while the action
+before the backward, or its first ops, compute.
 
 Waits. Every wait for something owed has the run's timeout (``pipeline.timeout_s``): a payload
 after its header, a send's completion. On NCCL a receive is waited for on the stream (the host
@@ -171,18 +172,24 @@ class PeerClient:
             self._groups = {k: v for k, v in self._groups.items() if any(r() is not None for r in v)}
         return h
 
+    def prefetch(self, group: object) -> None:
+        """Ask for every activation of ``group`` (a micro-batch) still away, latest first (the
+        order its backward needs them): the executor calls it one action before that backward,
+        so they travel while that action computes."""
+        self._drop_dead()
+        for ref in reversed(self._groups.pop(group, [])):
+            h = ref()
+            if h is not None and h.value is None and h._recv is None:
+                self._ask(h)
+
     def get(self, h: PeerHandle) -> torch.Tensor:
-        """``h``'s tensor, back from the pair (asked for with the rest of its micro-batch's)."""
+        """``h``'s tensor, back from the pair (asked for with the rest of its micro-batch's,
+        unless :meth:`prefetch` asked already)."""
         if h.value is not None:
             return h.value
         if h._recv is None:
-            self._drop_dead()
-            refs = self._groups.pop(h.group, [])
             self._ask(h)
-            for ref in reversed(refs):  # the backward needs the latest first
-                other = ref()
-                if other is not None and other is not h and other.value is None and other._recv is None:
-                    self._ask(other)
+            self.prefetch(h.group)
         work, buf = h._recv
         self.g.wait(work, "receiving activations back from", data=True)
         h.value, h._recv = buf, None
