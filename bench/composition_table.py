@@ -12,6 +12,7 @@ space; ``--every-space`` runs every combination on every space. The budget of a 
 (its error names it) and 45 % of the op state; a row says when the least is above half.
 
     .venv/bin/python bench/composition_table.py [--steps 8] [--spaces conv transformer resmlp] [--every-space]
+        [--extra pipeline.schedule=zbh1]     # the same table with the backward split
 
 One JSON line per run (``"kind": "run"``) and a last one with the counts (``"kind": "table"``).
 """
@@ -87,6 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--spaces", nargs="+", default=["conv", "transformer", "resmlp"])
+    ap.add_argument("--extra", nargs="*", default=[], metavar="OVERRIDE",
+                    help="overrides for every run, one process and torchrun alike (e.g. pipeline.schedule=zbh1)")
     ap.add_argument("--every-space", action="store_true",
                     help="run every combination on every space (3x the runs) instead of rotating the spaces")
     args = ap.parse_args()
@@ -102,7 +105,7 @@ def main() -> None:
         cells = [(c, args.spaces[(i + list(LAYOUTS).index(c[0])) % len(args.spaces)]) for i, c in enumerate(combos)]
     for (layout, window, mode, budgeted), space in cells:
         world, stages = LAYOUTS[layout]
-        settings = [f"pipeline.window={window}", f"pipeline.shared_ops={mode}"]
+        settings = [f"pipeline.window={window}", f"pipeline.shared_ops={mode}", *args.extra]
         key = (space, window, mode)
         if key not in ref:
             code, secs, tail = run([PY, "-m", "search", *base_args(space, args.steps), *settings],
@@ -130,7 +133,7 @@ def main() -> None:
         counts["equal"] += row["equal"]
         counts["failed"] += code != 0
         print(json.dumps(row), flush=True)
-    print(json.dumps({"kind": "table", **counts, "steps": args.steps}), flush=True)
+    print(json.dumps({"kind": "table", **counts, "steps": args.steps, "extra": args.extra}), flush=True)
 
 
 if __name__ == "__main__":
