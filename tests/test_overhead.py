@@ -92,6 +92,11 @@ def test_layout_options_price_bubble_reduction_and_window() -> None:
     by_window = {o.window: o for o in layout_options(works, 8, 64, (1, 2, 4), delayed=shared, delay=1)}
     assert by_window[2].step_s < by_window[1].step_s and by_window[4].step_s <= by_window[2].step_s
     assert seconds_per_subnet(works[(2, 1)], 8, 1) == pytest.approx(by_window[1].step_s)
+    # pipeline.schedule=zbh1: priced with the split, flushed (ZB-H1) and across subnets (the runtime's)
+    for w in (1, 4):
+        split = seconds_per_subnet(works[(2, 1)], 8, w, "zbh1", delayed=shared, delay=1)
+        assert split <= seconds_per_subnet(works[(2, 1)], 8, w, delayed=shared, delay=1)
+    assert seconds_per_subnet(works[(2, 1)], 8, 4, "zbh1", delayed=shared, delay=1) != by_window[4].step_s
     with pytest.raises(ValueError, match="pipeline.stages"):
         pick([])
 

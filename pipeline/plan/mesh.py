@@ -113,13 +113,15 @@ def seconds_per_subnet(work: Sequence[SubnetWork], microbatches: int, window: in
                        delay: int = 0) -> float:
     """The simulated makespan of ``work`` (subnets in training order, each over the same S
     stages, ``microbatches`` each) run as the runtime runs it, per subnet: flushed steps of
-    ``schedule`` at ``window`` 1, the admission builder's cross-subnet schedule above."""
+    ``schedule`` at ``window`` 1, the admission builder's cross-subnet schedule above (with every
+    backward split when ``schedule`` is ``zbh1``, as the runtime splits them)."""
     P = len(work[0].uses)
     uses = [w.uses for w in work]
     if window == 1:
         sch = sequential(build_schedule(schedule, P, microbatches), uses, frozen=frozen, delayed=delayed, delay=delay)
     else:
-        sch = cross_subnet(work, microbatches, window, frozen=frozen, delayed=delayed, delay=delay)
+        sch = cross_subnet(work, microbatches, window, frozen=frozen, delayed=delayed, delay=delay,
+                           split=schedule == "zbh1")
     return simulate(sch, work=work).step_time / len(work)
 
 
