@@ -12,6 +12,11 @@ bit-identical to the reference, on DAGs too.
 Across a cut a tensor is either a real tensor or ``None`` ("no gradient flows"), which keeps
 ops whose outputs get no gradient from receiving a zero gradient (and a weight-decay update)
 in the pipeline that they would not get in the reference.
+
+A split backward (``SliceRun(split=True)``, zero-bubble's B and W) runs the same autograd
+nodes in two calls: B those on a path to the slice's inputs (their gradients are what the
+stage before waits for), W later the rest, the weight gradients, each node on the same inputs
+as in the one call; so its bits are the whole backward's (``tests/test_split_backward.py``).
 """
 from __future__ import annotations
 
@@ -279,8 +284,9 @@ class SliceRun:
         """W of a split backward: the weight gradients, from the nodes where B left the weights'
         paths, with the gradients it caught there: one autograd call per group of weights, each
         reaching only its own weights, so it runs only what B did not (the weight-gradient
-        kernels and what lies between them and the weights); then frees the record. Each node computes its weight gradients from the same inputs as in the
-        whole backward, so they are its bits."""
+        kernels and what lies between them and the weights); then frees the record. Each node
+        computes its weight gradients from the same inputs as in the whole backward, so they
+        are its bits."""
         if self._weights is None:
             raise SupernetError("slice weight backward: no split backward (SliceRun(split=True), backward) to finish")
         calls, self._weights = self._weights, None
