@@ -99,11 +99,11 @@ class SegmentRun:
 
     @property
     def swapped_bytes(self) -> int:
-        return sum(a.get("swapped_bytes", 0) for a in self.activations)
+        return sum(a["swapped_bytes"] for a in self.activations)
 
     @property
     def recomputed_ops(self) -> int:
-        return sum(a.get("recomputed_ops", 0) for a in self.activations)
+        return sum(a["recomputed_ops"] for a in self.activations)
 
 
 # A stage's clipping for one subnet's update: (step, plan) -> the clip callable, or None
@@ -181,8 +181,6 @@ class StageExecutor:
         self.tensors.prefetch([uses[t][me] for t in order] + list(seg.after))
 
         runs: dict[tuple[int, int], SliceRun] = {}
-        # subnets whose backward this stage splits: B the input gradients, W the weights' later
-        split = {a.subnet for a in row if a.kind == "W"}
         weights: dict[tuple[int, int], SliceRun] = {}  # B done, W to come: the record stays
         head: dict[tuple[int, int], torch.Tensor] = {}
         losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
@@ -225,7 +223,7 @@ class StageExecutor:
                             self.shared.begin(op, step)
                     run = SliceRun(plan.slices[me], lambda op, step=step: self._module(op, step),
                                    op_contexts(self.seed, step, m + self.offset, True), policies[t],
-                                   split=t in split)
+                                   split=(t, me) in sch.split)  # B the input gradients, W the weights' later
                     outs = run.forward([seg.batches[t][m][0]] if me == 0 else inputs)
                     runs[(t, m)] = run
                     stats.max_in_flight = max(stats.max_in_flight, len(runs) + len(weights))

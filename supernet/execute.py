@@ -338,15 +338,16 @@ def _weight_edges(roots: Sequence[torch.Tensor], grads: Sequence, inputs: Sequen
         stack.append((node, True))
         stack.extend((nxt, False) for nxt, _ in node.next_functions if nxt is not None and nxt not in seen)
     to_input: dict = {}
-    weights: dict = {}  # node -> the trainable weights below it (ids -> tensors)
+    weights: dict = {}  # node off B's paths -> the trainable weights below it (ids -> tensors)
     for node in order:
         below = [nxt for nxt, _ in node.next_functions if nxt is not None]
         to_input[node] = node in input_nodes or any(to_input[n] for n in below)
-        var = getattr(node, "variable", None)
-        mine = {id(var): var} if var is not None and node not in input_nodes and var.requires_grad else {}
-        for n in below:
-            mine.update(weights[n])
-        weights[node] = mine
+        if not to_input[node]:  # (so is every node below it)
+            var = getattr(node, "variable", None)
+            mine = {id(var): var} if var is not None and var.requires_grad else {}
+            for n in below:
+                mine.update(weights[n])
+            weights[node] = mine
     # each node B runs whose children off B's paths lead to weights, with those weights
     starts = []
     for node in order:

@@ -177,10 +177,7 @@ class PeerClient:
         order its backward needs them): the executor calls it one action before that backward,
         so they travel while that action computes."""
         self._drop_dead()
-        for ref in reversed(self._groups.pop(group, [])):
-            h = ref()
-            if h is not None and h.value is None and h._recv is None:
-                self._ask(h)
+        self._ask_group(group)
 
     def get(self, h: PeerHandle) -> torch.Tensor:
         """``h``'s tensor, back from the pair (asked for with the rest of its micro-batch's,
@@ -188,13 +185,21 @@ class PeerClient:
         if h.value is not None:
             return h.value
         if h._recv is None:
+            self._drop_dead()
             self._ask(h)
-            self.prefetch(h.group)
+            self._ask_group(h.group)
         work, buf = h._recv
         self.g.wait(work, "receiving activations back from", data=True)
         h.value, h._recv = buf, None
         self.fetched_bytes += buf.numel() * buf.element_size()
         return buf
+
+    def _ask_group(self, group: object) -> None:
+        """Ask for every tensor of ``group`` not yet back or asked for, latest first."""
+        for ref in reversed(self._groups.pop(group, [])):
+            h = ref()
+            if h is not None and h.value is None and h._recv is None:
+                self._ask(h)
 
     def _ask(self, h: PeerHandle) -> None:
         self._send(self.g.header(GET, h.key), self.g.control)

@@ -16,7 +16,7 @@ The builder is a list scheduler over estimated times, taken from the simulator's
 :func:`~pipeline.plan.simulate.simulate` replays of the result): each stage, when free, runs the
 ready action of highest priority (an update, then a backward, then a forward; older subnets and
 micro-batches first), and a stage holds at most ``cap[s]`` micro-batches between forward and
-backward (by default :func:`in_flight_bound`'s: 1F1B's ``P - s``, now across subnet boundaries;
+backward (by default :func:`stage_caps`: 1F1B's ``P - s``, now across subnet boundaries;
 with the split, ``P`` on every stage, ZB-H1's rule: any stage may hold what 1F1B's first one
 holds). With ``split``,
 each backward is two actions (zero-bubble pipelines, Qi et al. 2024): ``B``, the input gradient
@@ -44,7 +44,7 @@ from .clock import Clock
 from .schedule import Action, Schedule, ScheduleError, WaitRule
 from .values import SubnetWork
 
-__all__ = ["ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential"]
+__all__ = ["ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential", "stage_caps"]
 
 _PRIORITY = {"U": 0, "B": 1, "F": 2, "W": 3}
 
@@ -119,7 +119,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     T, P, M = len(work), len(work[0].uses), num_microbatches
     if any(len(w.uses) != P for w in work):
         raise ScheduleError(f"cross_subnet: every subnet needs {P} stages, found {[len(w.uses) for w in work]}")
-    cap = tuple(cap) if cap is not None else tuple(min(c, P) for c in in_flight_bound(P, P, 1, split))
+    cap = tuple(cap) if cap is not None else stage_caps(P, split)
     if len(cap) != P or any(c < 1 for c in cap):
         raise ScheduleError(f"cross_subnet: cap expected {P} values >= 1, found {cap!r}")
     uses = tuple(w.uses for w in work)
@@ -252,14 +252,18 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     return sched, clock
 
 
+def stage_caps(num_stages: int, split: bool = False) -> tuple[int, ...]:
+    """The builder's default cap per stage: ``P - s`` (1F1B's), or ``P`` on every stage with the
+    B/W ``split`` (ZB-H1's rule: a micro-batch is held until its W, and each stage may hold what
+    1F1B's first stage does: the same peak over the stages)."""
+    return tuple(num_stages if split else num_stages - s for s in range(num_stages))
+
+
 def in_flight_bound(num_stages: int, num_microbatches: int, window: int, split: bool = False) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations a cross-subnet schedule holds: the
-    builder's cap, ``P - s`` (1F1B's), or ``P`` on every stage with the B/W ``split`` (ZB-H1's
-    rule: a micro-batch is held until its W, and each stage may hold what 1F1B's first stage
-    does: the same peak over the stages), and no more than ``window`` subnets' ``M`` each (what
+    builder's cap (:func:`stage_caps`), and no more than ``window`` subnets' ``M`` each (what
     the partitioner's and the activation plan's memory model count)."""
-    P = num_stages
-    return tuple(min(P if split else P - s, window * num_microbatches) for s in range(P))
+    return tuple(min(c, window * num_microbatches) for c in stage_caps(num_stages, split))
 
 
 def flushed(work: Sequence[SubnetWork], num_microbatches: int, **kw) -> Schedule:

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 from .schedule import Action, WaitRule
-from .values import WEIGHT_SHARE, Copy, HostLinks, SimulationError, SubnetWork
+from .values import WEIGHT_SHARE, Copy, HostLinks, SimulationError, SubnetWork, weight_seconds
 
 __all__ = ["Clock", "SimulationError", "WEIGHT_SHARE"]
 
@@ -25,11 +25,6 @@ __all__ = ["Clock", "SimulationError", "WEIGHT_SHARE"]
 _KIND = {"F": 0, "B": 1, "W": 3, "U": 4}
 _ROWS = 5
 _INF = math.inf
-
-
-def _weight_seconds(bwd: Sequence[float], bwd_weight: Sequence[float] | None) -> list[float]:
-    """``bwd_weight`` as floats, or :data:`WEIGHT_SHARE` of ``bwd`` when None."""
-    return [WEIGHT_SHARE * float(b) for b in bwd] if bwd_weight is None else [float(x) for x in bwd_weight]
 
 
 class _Net:
@@ -96,8 +91,8 @@ class _Net:
         P, T = self.P, self.T
         table = [float(x) for x in fwd] + [float(x) for x in bwd]
         if self.split:
-            weight = _weight_seconds(table[P:], bwd_weight)
-            table += [b - w for b, w in zip(table[P:], weight)] + weight + [0.0] * P
+            weight = weight_seconds(table[P:], bwd_weight)
+            table += [b - w for b, w in zip(table[P:], weight)] + list(weight) + [0.0] * P
         else:  # a planner's hot path: no split rows to fill
             table += [0.0] * (3 * P)
         delays = [float(x) for x in send] * T + [float(x) for x in gsend] * T

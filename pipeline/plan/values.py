@@ -6,15 +6,22 @@ admission builder and the simulator all import them and none imports another for
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .schedule import Action, ScheduleError
 
-__all__ = ["SubnetWork", "Copy", "CopySpan", "HostLinks", "SimulationError", "WEIGHT_SHARE"]
+__all__ = ["SubnetWork", "Copy", "CopySpan", "HostLinks", "SimulationError", "WEIGHT_SHARE", "weight_seconds"]
 
 # The weight gradient's share of a backward when none is given: a matmul's backward is two
 # matmuls of its forward's size, one for the input gradient and one for the weight gradient.
 WEIGHT_SHARE = 0.5
+
+
+def weight_seconds(bwd: Sequence[float], bwd_weight: Sequence[float] | None = None) -> tuple[float, ...]:
+    """A split backward's W seconds per stage: ``bwd_weight``, or :data:`WEIGHT_SHARE` of ``bwd``
+    when none is given."""
+    return tuple(WEIGHT_SHARE * float(b) for b in bwd) if bwd_weight is None else tuple(float(x) for x in bwd_weight)
 
 
 class SimulationError(ValueError):
@@ -45,7 +52,7 @@ class SubnetWork:
             if not v and name in ("send", "update"):
                 v = (0.0,) * n
             elif not v and name == "bwd_weight":  # bwd is checked by now
-                v = tuple(WEIGHT_SHARE * b for b in self.bwd)
+                v = weight_seconds(self.bwd)
             if len(v) != n or not all(math.isfinite(x) and x >= 0 for x in v):
                 raise ScheduleError(f"SubnetWork.{name}: expected {n} finite non-negative seconds, found {v!r}")
             object.__setattr__(self, name, v)
