@@ -7,18 +7,25 @@ config, and a run with the tensor manager against one all-resident, would differ
 bits. :func:`use_deterministic_kernels` asks torch for its deterministic kernels: the
 bit-identity that the tests prove on the CPU then holds on the GPU too (``bench/device_check.sh``).
 An op with no deterministic CUDA kernel warns instead of stopping the run.
+
+Deterministic mode in torch also fills every new uninitialized tensor (``torch.empty``) with NaN,
+a kernel per allocation, to expose reads of uninitialized memory; no op of ours reads memory it
+did not write, and the fill cost the transformer's training run on an H200 1.4-1.6x its time
+(bench/device_check2.sh), so it stays off (``FILL_UNINITIALIZED_MEMORY``).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.utils.deterministic
 
 __all__ = ["use_deterministic_kernels"]
 
 # cuBLAS's deterministic workspace (torch raises without it once deterministic algorithms are on);
 # read when the process makes its first cuBLAS handle, so it is set before any CUDA work.
 CUBLAS_WORKSPACE = ":4096:8"
+FILL_UNINITIALIZED_MEMORY = False  # torch's default under deterministic mode is True (see above)
 
 
 def use_deterministic_kernels(device: str, on: bool = True) -> None:
@@ -29,5 +36,6 @@ def use_deterministic_kernels(device: str, on: bool = True) -> None:
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = on and FILL_UNINITIALIZED_MEMORY
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = on
