@@ -36,6 +36,7 @@ class Agreement:
         self.device, self.enabled, self.group = device, enabled and group is not None, group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._posted: tuple[dist.Work, torch.Tensor, int, str] | None = None
+        self.round_trips = 0  # checks made on the critical path (:meth:`check`): a digest not posted ahead
 
     def post(self, digest: int, what: str) -> None:
         """Start checking a digest made ahead (``what`` names it in the error)."""
@@ -63,6 +64,7 @@ class Agreement:
         if not self.enabled or checked == digest:
             return
         t = self._tensor(digest)
+        self.round_trips += 1
         with peer_errors(_WHAT):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         _compare(t, digest, what)

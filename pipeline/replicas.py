@@ -175,21 +175,28 @@ class ReplicaReducer:
             return head + _message_specs(params, bns)
 
         mine = torch.tensor(list(losses), dtype=torch.float64, device=dev) if losses is not None else None
+        flat = None
         if self.first:
             grads = [p.grad for p in params]
             so_far = mine
         else:
             got = tr.post_recv(k - 1, specs(k)).wait()
             so_far = torch.cat([got.pop(0), mine]) if losses is not None else None
-            grads, stats = _unpack(got, params, bns)
-            for i, p in enumerate(params):
-                for c in self._contrib.pop(id(p), (p, []))[1]:
-                    grads[i] = c.clone() if grads[i] is None else grads[i].add_(c)  # the reference's +=
+            contribs = [self._contrib.pop(id(p), (p, []))[1] for p in params]
+            flat = _add_flat(got, params, contribs)  # the common case: one add per dtype and micro-batch
+            grads, stats = _unpack(got, params, bns)  # views of the received (summed) buffers
+            if flat is None:
+                for i, cs in enumerate(contribs):
+                    for c in cs:
+                        grads[i] = c.clone() if grads[i] is None else grads[i].add_(c)  # the reference's +=
             _set_bn(bns, stats)
             for bn in bns:
                 for x in self._bn_inputs.pop(id(bn), (bn, []))[1]:
                     _replay_bn(bn, x)
-        payload = ([so_far] if losses is not None else []) + _pack(grads, params, bns)
+        if flat is not None:  # the received buffers, summed in place, go on as they are
+            payload = ([so_far] if losses is not None else []) + flat + _pack([], [], bns)
+        else:
+            payload = ([so_far] if losses is not None else []) + _pack(grads, params, bns)
         if k < last:
             final = tr.exchange([(payload, k + 1)], (last, specs(last + 1))).wait()  # posted with the send
             so_far = final.pop(0) if losses is not None else None
@@ -275,7 +282,10 @@ def _replay_bn(bn: _BatchNorm, x: torch.Tensor) -> None:
     """The running-statistics update of ``bn``'s training forward on ``x`` (as _BatchNorm.forward)."""
     bn.num_batches_tracked.add_(1)
     factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-    F.batch_norm(x, bn.running_mean, bn.running_var, None, None, True, factor, bn.eps)
+    if x.device.type == "cpu":  # the statistics alone: the CPU forward's own update (same kernel), a quarter cheaper
+        torch.batch_norm_update_stats(x, bn.running_mean, bn.running_var, factor)
+    else:  # (CUDA's forward may take cuDNN's path: replay through the same call)
+        F.batch_norm(x, bn.running_mean, bn.running_var, None, None, True, factor, bn.eps)
 
 
 def _dtypes(tensors: Iterable[torch.Tensor]) -> list[torch.dtype]:
@@ -307,6 +317,26 @@ def _pack(grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter],
     return out
 
 
+def _add_flat(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
+              contribs: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor] | None:
+    """Add this replica's contributions to the received message's flat gradient buffers, in
+    micro-batch order, one add per dtype and micro-batch: the same elementwise float adds as one
+    ``+=`` per parameter (the reference's), without a Python call per parameter. Only when every
+    parameter has a partial sum and the same number of contributions (else None, nothing
+    changed: the caller adds per parameter). Returns the message's mask and gradient buffers."""
+    if not params:
+        return None
+    n = len(contribs[0])
+    present = got[0]
+    if any(len(c) != n for c in contribs) or not bool(present.all()):
+        return None
+    flats = list(got[1:1 + len(_dtypes(params))])
+    for flat, dt in zip(flats, _dtypes(params)):
+        for j in range(n):
+            flat.add_(torch.cat([c[j].reshape(-1) for p, c in zip(params, contribs) if p.dtype == dt]))
+    return [present, *flats]
+
+
 def _unpack(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
             bns: Sequence[_BatchNorm]) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     """:func:`_pack`'s inverse: the gradients (views of the flat buffers; None where the mask
@@ -315,12 +345,10 @@ def _unpack(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
     grads: list[torch.Tensor | None] = []
     if params:
         present = got.pop(0).tolist()
-        flats = {dt: got.pop(0) for dt in _dtypes(params)}
-        offsets = dict.fromkeys(flats, 0)
+        parts = {dt: iter(got.pop(0).split([p.numel() for p in params if p.dtype == dt])) for dt in _dtypes(params)}
         for p, has in zip(params, present):
-            o, n = offsets[p.dtype], p.numel()
-            grads.append(flats[p.dtype][o:o + n].view_as(p) if has else None)
-            offsets[p.dtype] = o + n
+            part = next(parts[p.dtype])
+            grads.append(part.view_as(p) if has else None)
     buffers = _bn_buffers(bns)
     flats = {dt: got.pop(0) for dt in _dtypes(buffers)}
     offsets = dict.fromkeys(flats, 0)

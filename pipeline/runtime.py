@@ -217,6 +217,7 @@ class PipelineEngine:
         self._segment_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipenas-segment")
         self._ahead: Future | None = None  # the next segment's plans and schedule, being made
         self._hint: list[Arch] = []  # plan_ahead: the subnets after the next train_step's
+        self._call_steps = 0  # the most steps one train_steps call has handed over (the next segment's length)
         self._schedules: dict[tuple, tuple[Schedule, int]] = {}  # _prepared's memo (insertion order: oldest first)
         self._full_footprint: dict[str, int] | None = None  # per op, arena bytes with its optimizer state
 
@@ -388,6 +389,7 @@ class PipelineEngine:
         """Train ``items`` in order as segments (subnets back to back: flushed steps, or several
         in flight with ``pipeline.window`` > 1 or delayed/frozen shared ops), one per run of
         items between checkpoint boundaries; ``upcoming``: the subnets after them, prepared meanwhile."""
+        self._call_steps = max(self._call_steps, len(items))
         runs: list[list] = [[]]
         for item in items:  # a segment never spans a checkpoint boundary (delayed shared ops restart there)
             if runs[-1] and self.checkpoint_every and item[0] % self.checkpoint_every == 0:
@@ -404,9 +406,13 @@ class PipelineEngine:
             # the next run, else the lookahead up to a checkpoint boundary
             following = [it[1] for later in runs[k + 1:] for it in later] + list(upcoming)
             after = run[-1][0] + 1
-            n_next = (len(runs[k + 1]) if k + 1 < len(runs)
-                      else len(list(upcoming)[:self.checkpoint_every - after % self.checkpoint_every
-                                              if self.checkpoint_every else None]))
+            # the next segment as the caller will hand it over: as many steps as its longest call
+            # so far (the app's segment: one flushed step, or a cross-subnet run), up to a
+            # checkpoint boundary. Prepared any longer, its agreement check, posted ahead, would
+            # check a digest no rank runs, and the segment would pay a check of its own, a round
+            # trip before it starts (measured: every step of the default data-parallel run, before)
+            until = self.checkpoint_every - after % self.checkpoint_every if self.checkpoint_every else len(upcoming)
+            n_next = len(runs[k + 1]) if k + 1 < len(runs) else len(list(upcoming)[:min(until, self._call_steps)])
             out += self._train_segment(run, following, n_next)
         return out
 

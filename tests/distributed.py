@@ -149,6 +149,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
     tier = getattr(engine, "peer", None)  # the peer tier: what this rank handed to its pair / held for it
     peered = tier.client.fetched_bytes if tier is not None and tier.client is not None else 0
     peer_held = tier.server.peak_bytes if tier is not None and tier.server is not None else 0
+    round_trips = getattr(getattr(engine, "agreement", None), "round_trips", 0)
     states = engine.op_states()
     if sc.save and states is not None:
         torch.save(states, sc.save)
@@ -156,7 +157,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "losses": losses, "mb_losses": mb_losses, "evals": evals,
         "digest": params_digest(states) if states is not None else None,
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
-        "swapped": swapped, "recomputed": recomputed, "peered": peered, "peer_held": peer_held, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "arrived": arrived, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds,
+        "swapped": swapped, "recomputed": recomputed, "peered": peered, "peer_held": peer_held, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "arrived": arrived, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds, "agreement_round_trips": round_trips,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
         "engine": engine,
     }

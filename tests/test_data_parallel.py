@@ -29,6 +29,9 @@ def scenarios(stages: int, cross: bool = False, fast: bool = False) -> list[Scen
         out.append(Scenario("conv", "1f1b", steps=6, segment=3, extra={**extra, "window": 3}))
     if fast:  # pipeline.reduce=fast: one all-reduce, close to the reference but not bit-identical
         out.append(Scenario("conv", "1f1b", steps=4, extra={**extra, "reduce": "fast"}, eval_archs=1))
+    # as the app trains flushed steps: one step per train_steps call, the sampler's next two as
+    # the lookahead; every segment's agreement check is posted ahead but the first's
+    out.append(Scenario("conv", "1f1b", steps=5, segment=1, extra=extra))
     return out
 
 
@@ -52,6 +55,10 @@ def test_replicated_stages_are_bit_identical_to_reference(stages: int, replicas:
             continue
         assert_same_as_reference(got, ref, label)
         assert len(got["mb_losses"][0]) == sc.microbatches, f"{label}: every rank sees all micro-batch losses"
+        if sc.segment == 1:
+            assert got["agreement_round_trips"] == 1, (
+                f"{label}: {got['agreement_round_trips']} agreement checks on the critical path in {sc.steps} "
+                "steps; the segments prepared ahead should carry theirs (only the first has none)")
         migrated += got["migrated"]
     if stages > 1:
         assert migrated > 0, f"no op migrated at (S, R)=({stages}, {replicas}): the test would not cover migration"
@@ -66,3 +73,64 @@ def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_actio
     for r in (0, 1, 2):
         assert "root cause: rank 3 failed at step 2 during 1U" in procs[r].stderr, procs[r].stderr[-2000:]
     assert seconds < 120
+
+
+@pytest.mark.parametrize("case", ["flat", "a missing partial", "uneven contributions"])
+def test_the_reductions_flat_add_equals_one_add_per_parameter(case: str) -> None:
+    """The exact reduction adds a replica's contributions to the received partial sums one add
+    per dtype and micro-batch (``_add_flat``): the same bits as the reference's ``+=`` per
+    parameter; where a parameter has no partial sum or another number of contributions it
+    declines (None, nothing changed) and the reducer adds per parameter."""
+    import torch
+    from torch import nn
+
+    from pipeline.replicas import _add_flat, _pack, _unpack
+
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(5, dtype=torch.float64)),
+              nn.Parameter(torch.zeros(2, 2))]
+    partial = [torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e3 for p in params]
+    if case == "a missing partial":
+        partial[2] = None
+    contribs = [[torch.randn(p.shape, generator=g, dtype=p.dtype) for _ in range(2)] for p in params]
+    if case == "uneven contributions":
+        contribs[1] = contribs[1][:1]
+    expected = []
+    for part, cs in zip(partial, contribs):
+        acc = None if part is None else part.clone()
+        for c in cs:
+            acc = c.clone() if acc is None else acc.add_(c)
+        expected.append(acc)
+    got = _pack(partial, params, [])
+    flat = _add_flat(got, params, contribs)
+    if case != "flat":
+        assert flat is None
+        return
+    grads, _ = _unpack(list(flat), params, [])
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(grads, expected))
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 8, 8), (8, 16, 8, 8, "channels_last"), (8, 16), (3, 5, 7)])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_the_batch_norm_replay_equals_a_training_forward(shape: tuple, momentum: float | None) -> None:
+    """A replica replays the running-statistics update of a recorded batch-norm input
+    (``_replay_bn``, on the CPU through ``torch.batch_norm_update_stats``): the same bits as the
+    training forward's own update, steps in a row, cumulative average (momentum None) too."""
+    import torch
+    from torch import nn
+
+    from pipeline.replicas import _replay_bn
+
+    last = shape[-1] == "channels_last"
+    dims = shape[:-1] if last else shape
+    make = {4: nn.BatchNorm2d, 3: nn.BatchNorm1d, 2: nn.BatchNorm1d}[len(dims)]
+    fwd, rep = make(dims[1], momentum=momentum), make(dims[1], momentum=momentum)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(*dims, generator=g) * 3 + 1
+        if last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        fwd.train()(x)
+        _replay_bn(rep, x)
+        for a, b in zip(fwd.buffers(), rep.buffers()):
+            assert torch.equal(a, b)
