@@ -53,6 +53,8 @@ class SupernetGraph:
         self._g.add_node(INPUT, order=0, op=None, candidates=None, inputs=())
         self._order = 1
         self._active: dict[Arch, tuple[ActiveOp, ...]] = {}  # valid archs seen; cleared by _add
+        self._nodes: tuple[str, ...] | None = None  # nodes() and space(), made once; cleared by _add
+        self._space: SearchSpace | None = None
 
     # -- construction ----------------------------------------------------------------------
     def add_fixed(self, name: str, op: OpSpec, inputs: Sequence[str]) -> str:
@@ -85,6 +87,7 @@ class SupernetGraph:
                 )
         self._g.add_node(name, order=self._order, op=op, candidates=candidates, inputs=inputs)
         self._active.clear()
+        self._nodes = self._space = None
         self._order += 1
         for port, src in enumerate(inputs):
             # A node may take the same producer twice; the edge keeps the first port.
@@ -102,8 +105,11 @@ class SupernetGraph:
         return sinks[0]
 
     def nodes(self) -> tuple[str, ...]:
-        """All op nodes (not the input) in deterministic topological order."""
-        return tuple(n for n in self._topo() if n != INPUT)
+        """All op nodes (not the input) in deterministic topological order (sorted once: the
+        planners ask several times for every subnet they plan)."""
+        if self._nodes is None:
+            self._nodes = tuple(n for n in self._topo() if n != INPUT)
+        return self._nodes
 
     def _topo(self) -> list[str]:
         return list(nx.lexicographical_topological_sort(self._g, key=lambda n: self._g.nodes[n]["order"]))
@@ -119,11 +125,13 @@ class SupernetGraph:
 
     def space(self) -> SearchSpace:
         """The search space: one choice per choice slot, its values the candidate names."""
-        return SearchSpace(
-            Choice(n, tuple(c for c, _ in self._g.nodes[n]["candidates"]))
-            for n in self.nodes()
-            if self.is_choice(n)
-        )
+        if self._space is None:
+            self._space = SearchSpace(
+                Choice(n, tuple(c for c, _ in self._g.nodes[n]["candidates"]))
+                for n in self.nodes()
+                if self.is_choice(n)
+            )
+        return self._space
 
     def slots(self) -> tuple[OpSlot, ...]:
         """Every op of the supernet (each candidate of each slot, each fixed op), in node order."""

@@ -8,8 +8,8 @@ import pytest
 
 from pipeline.plan.partition import OpCost, PartitionError, PartitionProblem, evaluate, random_problem, solve
 from pipeline.plan.planners import (
-    DynamicPlanner, EqualCountPlanner, OraclePlanner, StaticPlanner, equal_count, make_planner, static_bounds,
-    time_solve,
+    DynamicPlanner, EqualCountPlanner, OraclePlanner, StaticPlanner, equal_count, make_planner, solve_step,
+    static_bounds, time_solve,
 )
 from test_partition import all_bounds
 
@@ -223,3 +223,25 @@ def test_moves_that_can_run_during_the_step_before_are_worth_a_better_balance() 
     assert planner.plan(p, prev).bounds == (0, 3, 4)  # every move waits: stay put
     assert planner.plan(p, prev, busy=frozenset({"op3"})).bounds == (0, 2, 4)  # op2 moves early
     assert planner.plan(p, prev, busy=frozenset({"op2"})).bounds == (0, 3, 4)  # op2 is in use: stay
+
+
+@pytest.mark.parametrize("seed,N", [(seed, N) for seed in range(6) for N in range(0, 7)])
+def test_one_stage_is_every_op_or_the_shortfall_for_both_objectives(seed: int, N: int) -> None:
+    """At one stage (a data-parallel run plans every subnet so) both solvers return the only
+    partition, every op on the stage, with its figures against the owners, where it fits, and
+    otherwise the shortfall the brute force finds; the step objective with busy ops too."""
+    from test_partition import brute_force, random_previous, small_problem
+
+    rng = np.random.default_rng([seed, N, 1])
+    problem = small_problem(rng, N, 1, integral=seed % 2 == 0)
+    previous = random_previous(rng, problem)
+    expected, optimum = brute_force(problem, previous, 0.0)
+    busy = frozenset(op.op_id for op in problem.ops[::2])
+    for solver in (lambda: solve(problem, previous), lambda: solve_step(problem, previous),
+                   lambda: solve_step(problem, previous, busy=busy)):
+        if expected is None:
+            with pytest.raises(PartitionError, match="short by") as info:
+                solver()
+            assert info.value.short_by == pytest.approx(optimum)
+        else:
+            assert solver() == expected == evaluate(problem, (0, N), previous)

@@ -498,6 +498,16 @@ def _fewest_moves_many(T: list, MV: list, thresholds: Sequence[float], N: int, P
     return [tuple(int(b[g]) for b in bounds) for g in range(G)]
 
 
+def single_stage(t: _Tables, n: int) -> Partition | None:
+    """One stage has one partition, every op: the solvers' answer where it fits, without their
+    search (a data-parallel run plans every subnet so, in the background, each step). None where
+    there are several stages or it does not fit (the search then names the shortfall)."""
+    if t.P != 1:
+        return None
+    whole = _make_partition(t, (0, n))
+    return whole if whole.fits_memory else None
+
+
 def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, eps: float = 0.0) -> Partition:
     """The exact memory-feasible min-max partition, migration-aware within ``(1 + eps)``.
 
@@ -510,6 +520,9 @@ def solve(problem: PartitionProblem, previous: Mapping[str, int] | None = None, 
         raise PartitionError(f"eps: expected a finite non-negative number, found {eps!r}")
     t = _tables(problem, previous)
     N, P = problem.num_ops, problem.num_stages
+    whole = single_stage(t, N)
+    if whole is not None:
+        return whole
     upper, T, moved, MEM = _grids(t, N)
     MV = [m.astype(float) for m in moved]  # integral, exact below 2**53 bytes
 

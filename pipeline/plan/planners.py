@@ -22,7 +22,7 @@ import numpy as np
 
 from .partition import (
     REL_SLACK, Partition, PartitionError, PartitionProblem, _fewest_moves_many, _grids, _infeasible,
-    _make_partition, _minmax_dp, _tables, evaluate, random_problem, solve, stage_work,
+    _make_partition, _minmax_dp, _tables, evaluate, random_problem, single_stage, solve, stage_work,
 )
 from .schedule import Schedule
 from .simulate import makespan
@@ -80,6 +80,9 @@ def solve_step(problem: PartitionProblem, previous: Mapping[str, int] | None = N
     lat = problem.latency if move_latency is None else move_latency
     t = _tables(problem, previous, busy)
     N, P = problem.num_ops, problem.num_stages
+    whole = single_stage(t, N)
+    if whole is not None:
+        return whole
     upper, T, moved, MEM = _grids(t, N)
     if busy is None:
         MV = [m.astype(float) for m in moved]
