@@ -320,10 +320,11 @@ def _pack(grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter],
 def _add_flat(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
               contribs: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor] | None:
     """Add this replica's contributions to the received message's flat gradient buffers, in
-    micro-batch order, one add per dtype and micro-batch: the same elementwise float adds as one
-    ``+=`` per parameter (the reference's), without a Python call per parameter. Only when every
-    parameter has a partial sum and the same number of contributions (else None, nothing
-    changed: the caller adds per parameter). Returns the message's mask and gradient buffers."""
+    micro-batch order: per micro-batch one ``_foreach_add_`` into the buffers' per-parameter
+    views, the same elementwise float adds as one ``+=`` per parameter (the reference's), in one
+    call instead of a Python call per parameter, and no copy. Only when every parameter has a
+    partial sum and the same number of contributions (else None, nothing changed: the caller
+    adds per parameter). Returns the message's mask and gradient buffers."""
     if not params:
         return None
     n = len(contribs[0])
@@ -332,8 +333,10 @@ def _add_flat(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
         return None
     flats = list(got[1:1 + len(_dtypes(params))])
     for flat, dt in zip(flats, _dtypes(params)):
+        mine = [(p, c) for p, c in zip(params, contribs) if p.dtype == dt]
+        views = list(flat.split([p.numel() for p, _ in mine]))
         for j in range(n):
-            flat.add_(torch.cat([c[j].reshape(-1) for p, c in zip(params, contribs) if p.dtype == dt]))
+            torch._foreach_add_(views, [c[j].reshape(-1) for _, c in mine])
     return [present, *flats]
 
 
