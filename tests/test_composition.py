@@ -75,6 +75,9 @@ def scenarios(stages: int | None) -> list[Scenario]:
         sc("conv", 4, "frozen", budgeted("conv", "sgd", "fair", optimizer="host")),
         sc("conv", 4, "delayed", None),
         sc("resmlp", 4, "delayed", None, eval_archs=1),
+        # the B/W split with replicas: a replica k > 0 keeps each W's contribution apart
+        dataclasses.replace(sc("conv", 4, "delayed", None), schedule="zbh1"),
+        dataclasses.replace(sc("transformer", 1, "exact", budgeted("transformer", "sgd", "fair")), schedule="zbh1"),
     ]
 
 
