@@ -183,7 +183,7 @@ class ReplicaReducer:
             got = tr.post_recv(k - 1, specs(k)).wait()
             so_far = torch.cat([got.pop(0), mine]) if losses is not None else None
             contribs = [self._contrib.pop(id(p), (p, []))[1] for p in params]
-            flat = _add_flat(got, params, contribs)  # the common case: one add per dtype and micro-batch
+            flat = _add_flat(got, params, contribs)  # the common case: one foreach add per dtype and micro-batch
             grads, stats = _unpack(got, params, bns)  # views of the received (summed) buffers
             if flat is None:
                 for i, cs in enumerate(contribs):
