@@ -24,26 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.split_backward import _graph, _sync  # noqa: E402
 from pipeline.memory.optim import OptimConfig, OptimGroup  # noqa: E402
 from supernet import build_op  # noqa: E402
-
-
-def _graph(width: int, layers: int):
-    from hydra import compose, initialize_config_dir
-
-    import supernet.spaces  # noqa: F401
-    from search.config import build_data, build_space, load_config
-
-    overrides = ["space=transformer", f"space.width={width}", f"space.layers={layers}"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        rc = load_config(compose("config", overrides=overrides))
-    data = build_data(rc.data)
-    return build_space(rc.space, data.input_shape, data.num_classes)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -54,7 +37,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
     torch.manual_seed(0)
-    graph = _graph(args.width, args.layers)
+    graph, _ = _graph(["space=transformer", f"space.width={args.width}", f"space.layers={args.layers}"])
     active = graph.active_ops(graph.space().random(random.Random(0)))
     runs = {}
     for portable in (False, True):
