@@ -135,6 +135,10 @@ class StageExecutor:
             m = self._stateless[op] = build_op(self._specs[op], op, self.seed).to(self.device)
         return m
 
+    def _updated(self, ops: frozenset[str], step: int) -> list[nn.Module]:
+        """The modules subnet ``step``'s update here steps (``ops``: its ops on this stage), in order."""
+        return [self._module(op, step) for op in sorted(ops)]
+
     def run(self, seg: Segment, between: Callable[[], None] | None = None) -> tuple[list[tuple[float, ...]], SegmentRun]:
         """Run this rank's actions of ``seg``; returns every subnet's micro-batch losses (on
         every rank) and this stage's figures. ``between``: called after each action (the
@@ -236,6 +240,8 @@ class StageExecutor:
                         out = outs
                     stats.busy_s += time.perf_counter() - a0
                     emit(a, out, None, after=i + 1)
+                    if self.reducer is not None and m == M - 1:  # this replica's batch-norm statistics are final
+                        self.reducer.forwards_done(self._updated(uses[t][me], step))
                 elif a.kind == "B":
                     run = runs.pop((t, m))
                     grads = run.backward_loss(head.pop((t, m))) if me == last else run.backward(inputs)
@@ -322,7 +328,7 @@ class StageExecutor:
         ordered = sorted(ops)
         if self.reducer is not None:
             with self.tracer.span(step, "reduce", "reduce"):
-                mb_losses = self.reducer.fold(mb_losses, [self._module(op, step) for op in ordered])
+                mb_losses = self.reducer.fold(mb_losses, self._updated(ops, step))
         clip = self.clipper(step, plan) if self.clipper is not None else None
         with self.shared.updating(ordered, step) as stepped:
             update(self.tensors, stepped, lr, mb_losses, clip)

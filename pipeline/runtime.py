@@ -176,9 +176,11 @@ class PipelineEngine:
             self.transport = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
             self._schedule_transport = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
             state = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
-            rgroup = new_group_per(mesh, "replica")
+            rgroup, bgroup = new_group_per(mesh, "replica"), new_group_per(mesh, "replica")
             self.reducer = ReplicaReducer(mesh, Transport(mesh.replica, self.device, timeout, group=rgroup,
-                                                          peers=mesh.replica_ranks()), rgroup, settings.reduce)
+                                                          peers=mesh.replica_ranks()), rgroup, settings.reduce,
+                                          bn_transport=Transport(mesh.replica, self.device, timeout, group=bgroup,
+                                                                 peers=mesh.replica_ranks()))
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
         # the peer tier (memory.activations peer | auto): stage s hands saved activations to P - 1 - s
         self.peer = (open_peer(me, self.num_stages, self.transport.global_rank, self.device, timeout)

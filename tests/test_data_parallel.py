@@ -64,6 +64,19 @@ def test_replicated_stages_are_bit_identical_to_reference(stages: int, replicas:
         assert migrated > 0, f"no op migrated at (S, R)=({stages}, {replicas}): the test would not cover migration"
 
 
+
+def test_three_replicas_pass_batch_norm_statistics_and_gradients_along_the_chain() -> None:
+    """(S, R) = (1, 3): the middle replica receives both chains (batch-norm statistics on their
+    own channel, sent at replica 0's last forward; the gradients' partial at the update), replays
+    and adds its share, and passes both on; also with three subnets in flight, where the two
+    chains' messages interleave differently. Equal to one process."""
+    extra = {**MIGRATING, "stages": 1}
+    scs = [Scenario("conv", "1f1b", steps=4, microbatches=6, batch=18, extra=extra),
+           Scenario("conv", "1f1b", steps=6, microbatches=6, batch=18, segment=3, extra={**extra, "window": 3})]
+    results, _, _ = spawn(3, scs, timeout_s=300)
+    for sc, got in zip(scs, results):
+        assert_same_as_reference(got, reference(sc), f"conv window={sc.extra.get('window', 1)} (S, R)=(1, 3)")
+
 def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_action() -> None:
     sc = [Scenario("transformer", "1f1b", steps=4, extra={"stages": 2})]
     _, procs, seconds = spawn(4, sc, timeout_s=150, env_extra={"PIPENAS_FAULT": "3:2:1U:raise"}, expect_ok=False)
