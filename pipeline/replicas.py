@@ -40,7 +40,11 @@ batch-norm statistics still take the exact chain (small). One collective instead
 """
 from __future__ import annotations
 
+import atexit
+import os
+import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -115,8 +119,15 @@ class ReplicaReducer:
     """The exact reduction of one stage's gradients (and batch-norm statistics) across replicas."""
 
     def __init__(self, mesh: Mesh, transport: Transport, group: dist.ProcessGroup, mode: str = "exact",
-                 bn_transport: Transport | None = None) -> None:
+                 bn_transport: Transport | None = None, shm_min_bytes: int | None = None, shm_bytes: int = 0) -> None:
         self.mesh, self.transport, self.group = mesh, transport, group
+        # the gradients' flat buffers in this host's shared memory, when every replica of this
+        # stage runs here on the CPU and an update's gradients come to ``shm_min_bytes`` (None:
+        # never); the wire then carries the masks, losses and statistics. ``shm_bytes``: every
+        # gradient of the supernet (no stage needs more), what /dev/shm must have room for twice
+        self.shm_min_bytes = shm_min_bytes if shm_min_bytes is not None else 0
+        self.shm = (_SharedFlats.open(mesh, group, transport.device, shm_bytes)
+                    if shm_min_bytes is not None else None)
         # the batch-norm statistics' own channel (another group of the same ranks: its messages
         # leave at a subnet's last forward, the gradients' at its update, so the two interleave
         # differently with several subnets in flight); None: the gradients' channel, in step
@@ -234,6 +245,11 @@ class ReplicaReducer:
             return head + _message_specs(params, with_bns)
 
         mine = torch.tensor(list(losses), dtype=torch.float64, device=dev) if losses is not None else None
+        if (self.shm is not None and params and not self.fast
+                and sum(p.numel() * p.element_size() for p in params) >= self.shm_min_bytes):
+            so_far = self._reduce_shared(params, bns, hop_bns, mine, per)
+            self.reduce_s += time.perf_counter() - t0
+            return tuple(so_far.tolist()) if so_far is not None else None
         flat = None
         if self.first:
             grads = [p.grad for p in params]
@@ -271,6 +287,73 @@ class ReplicaReducer:
             p.grad = g
         self.reduce_s += time.perf_counter() - t0
         return tuple(so_far.tolist()) if so_far is not None else None
+
+    def _reduce_shared(self, params: list[nn.Parameter], bns: Sequence[_BatchNorm], hop_bns: Sequence[_BatchNorm],
+                       mine: torch.Tensor | None, per: int) -> torch.Tensor | None:
+        """:meth:`reduce`'s chain with the gradients in shared memory: replica 0 writes its
+        partial there, each replica k > 0 adds its contributions in place when its predecessor's
+        message (losses so far, the presence mask) says the partial is there, the last one's
+        message to every other says the sum is; each replica then copies the sum out. The same
+        adds on the same bytes as the wire's chain; no gradient crosses a socket."""
+        k, last, tr = self.mesh.replica, self.mesh.replicas - 1, self.transport
+
+        def buffers() -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
+            flats = self.shm.begin(params)  # (a replica k > 0 maps a new file once its predecessor wrote it)
+            return flats, [v.view_as(p) for v, p in zip(_split_views(flats, params), params)]
+
+        def specs(replicas_before: int, with_bns: Sequence[_BatchNorm]) -> list[TensorSpec]:
+            head = [TensorSpec((replicas_before * per,), torch.float64)] if mine is not None else []
+            return head + _message_specs([], with_bns) + [TensorSpec((len(params),), torch.uint8)]
+
+        if self.first:
+            flats, views = buffers()
+            grads = [p.grad for p in params]
+            for v, g in zip(views, grads):
+                if g is not None:
+                    v.copy_(g)
+            present = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
+            so_far = mine
+        else:
+            got = tr.post_recv(k - 1, specs(k, hop_bns)).wait()
+            flats, views = buffers()
+            so_far = torch.cat([got.pop(0), mine]) if mine is not None else None
+            present = got.pop()
+            stats = got
+            contribs = [self._contrib.pop(id(p), (p, []))[1] for p in params]
+            has = present.tolist()
+            n = len(contribs[0])
+            if all(has) and all(len(c) == n for c in contribs):  # the common case: one foreach add per micro-batch
+                for j in range(n):
+                    torch._foreach_add_(views, [c[j] for c in contribs])
+            else:
+                for i, cs in enumerate(contribs):
+                    for c in cs:
+                        if has[i]:
+                            views[i].add_(c)  # the reference's +=
+                        else:
+                            views[i].copy_(c)
+                            has[i] = 1
+                present = torch.tensor(has, dtype=torch.uint8)
+            if not self._bn_early:
+                _set_bn(bns, _unpack(stats, [], hop_bns)[1])
+                self._replay(bns)
+        head = [so_far] if so_far is not None else []
+        if k < last:
+            payload = head + _pack([], [], hop_bns) + [present]
+            final = tr.exchange([(payload, k + 1)], (last, specs(last + 1, bns))).wait()
+            so_far = final.pop(0) if mine is not None else None
+            present = final.pop()
+            _set_bn(bns, _unpack(final, [], bns)[1])
+        else:
+            tr.exchange([(head + _pack([], [], bns) + [present], dst) for dst in range(last)], None)
+        tr.flush()
+        if self._bn_early:
+            self.bn_transport.flush()
+        mine_flats = {dt: f.clone() for dt, f in flats.items()}  # the sum, out of the shared buffers
+        self.shm.end()
+        for p, v, has in zip(params, _split_views(mine_flats, params), present.tolist()):
+            p.grad = v.view_as(p) if has else None
+        return so_far
 
     def _all_reduce(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
         """The sum of every replica's accumulated gradients (``None`` where no replica has one):
@@ -432,3 +515,97 @@ def _unpack(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
         stats.append(flats[t.dtype][o:o + n].view_as(t))
         offsets[t.dtype] = o + n
     return grads, stats
+
+
+def _split_views(flats: dict[torch.dtype, torch.Tensor], params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's flat view of the per-dtype buffers ``flats``, in order."""
+    parts = {dt: iter(f.split([p.numel() for p in params if p.dtype == dt])) for dt, f in flats.items()}
+    return [next(parts[p.dtype]) for p in params]
+
+
+class _SharedFlats:
+    """The exact reduction's gradient buffers in shared memory (``/dev/shm``) for the replicas of
+    one stage on one host (CPU; gloo's loopback copies each message through the kernel twice:
+    the transformer w256's 8 MB there and back cost ~6 ms a step on 2 cores).
+
+    Two sets of buffers, one per parity of the reduction's count: a replica writes set ``n % 2``
+    in reduction n only after every replica has finished reduction n - 1 (the last replica's
+    message of reduction n - 1 came after every replica's adds, each replica copies the sum out
+    before its next reduction), so a set is never rewritten while a replica still reads it. A
+    set grows (a new file) when a subnet needs more than it holds; every replica sees the same
+    parameters, so each decides alike. Replica 0 creates a file, the others map it when the
+    chain's message says it is written; replica 0 removes the name once every replica has mapped
+    it (at the end of the reduction that made it: the mappings stay), so nothing is left behind."""
+
+    def __init__(self, token: str, stage: int, first: bool) -> None:
+        self.token, self.stage, self.first = token, stage, first
+        self.count = 0
+        self._sets: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]] = {}  # (parity, dtype) -> (generation, buffer)
+        self._made: list[str] = []  # files replica 0 created in this reduction
+        atexit.register(self._remove)  # a reduction cut short (a peer failed) leaves no name behind
+
+    @classmethod
+    def open(cls, mesh: Mesh, group: dist.ProcessGroup, device: torch.device, max_bytes: int) -> _SharedFlats | None:
+        """Collective over this stage's replicas: shared buffers if every one runs on this host
+        on the CPU and ``/dev/shm`` has room for two sets of ``max_bytes`` (every gradient of the
+        supernet: no stage needs more), else None (the wire carries the gradients)."""
+        ok = device.type == "cpu" and os.access("/dev/shm", os.W_OK)
+        if ok:
+            st = os.statvfs("/dev/shm")
+            ok = st.f_bavail * st.f_frsize >= 2 * max_bytes + (64 << 20)
+        here = (socket.gethostname(), _boot_id(), ok, uuid.uuid4().hex)
+        every: list = [None] * mesh.replicas
+        dist.all_gather_object(every, here, group=group)
+        if not all(e[:3] == every[0][:3] for e in every) or not every[0][2]:
+            return None
+        return cls(every[0][3], mesh.stage, mesh.replica == 0)
+
+    def begin(self, params: Sequence[nn.Parameter]) -> dict[torch.dtype, torch.Tensor]:
+        """This reduction's flat buffers, one per dtype, sized for ``params`` (views)."""
+        parity = self.count % 2
+        out = {}
+        for dt in _dtypes(params):
+            n = sum(p.numel() for p in params if p.dtype == dt)
+            gen, buf = self._sets.get((parity, dt), (-1, None))
+            if buf is None or buf.numel() < n:
+                gen += 1
+                buf = self._map(parity, dt, gen, n)
+                self._sets[(parity, dt)] = (gen, buf)
+            out[dt] = buf[:n]
+        return out
+
+    def end(self) -> None:
+        self.count += 1
+        self._remove()  # every replica has mapped them by now
+
+    def _remove(self) -> None:
+        made, self._made = self._made, []
+        for path in made:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _map(self, parity: int, dt: torch.dtype, gen: int, n: int) -> torch.Tensor:
+        path = f"/dev/shm/pipenas-{self.token}-s{self.stage}-p{parity}-{str(dt).replace('torch.', '')}-g{gen}"
+        n = max(n, 1)
+        if self.first:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:  # the pages reserved now: a full /dev/shm fails here, not with SIGBUS at a write
+                os.posix_fallocate(fd, 0, n * torch.empty((), dtype=dt).element_size())
+            except OSError as e:
+                raise RuntimeError(f"replicated stages: no room in /dev/shm for the gradient reduction's "
+                                   f"{n} x {dt} buffer ({e}); run with PIPENAS_REDUCE_SHM=0 to send them "
+                                   "over the wire") from e
+            finally:
+                os.close(fd)
+            self._made.append(path)
+        return torch.from_file(path, shared=True, size=n, dtype=dt)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -65,17 +65,62 @@ def test_replicated_stages_are_bit_identical_to_reference(stages: int, replicas:
 
 
 
-def test_three_replicas_pass_batch_norm_statistics_and_gradients_along_the_chain() -> None:
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_three_replicas_pass_batch_norm_statistics_and_gradients_along_the_chain(shm: str) -> None:
     """(S, R) = (1, 3): the middle replica receives both chains (batch-norm statistics on their
     own channel, sent at replica 0's last forward; the gradients' partial at the update), replays
     and adds its share, and passes both on; also with three subnets in flight, where the two
-    chains' messages interleave differently. Equal to one process."""
+    chains' messages interleave differently. Gradients as messages and through shared memory
+    (``PIPENAS_REDUCE_SHM``). Equal to one process."""
     extra = {**MIGRATING, "stages": 1}
     scs = [Scenario("conv", "1f1b", steps=4, microbatches=6, batch=18, extra=extra),
            Scenario("conv", "1f1b", steps=6, microbatches=6, batch=18, segment=3, extra={**extra, "window": 3})]
-    results, _, _ = spawn(3, scs, timeout_s=300)
+    results, _, _ = spawn(3, scs, timeout_s=300, env_extra={"PIPENAS_REDUCE_SHM": shm})
     for sc, got in zip(scs, results):
-        assert_same_as_reference(got, reference(sc), f"conv window={sc.extra.get('window', 1)} (S, R)=(1, 3)")
+        assert_same_as_reference(got, reference(sc), f"conv window={sc.extra.get('window', 1)} (S, R)=(1, 3) shm={shm}")
+
+def test_replicas_through_shared_memory_equal_one_process_too() -> None:
+    """``PIPENAS_REDUCE_SHM=1``: the gradients go through this host's shared memory whatever
+    their size (``auto`` sends these small ones as messages); the same bits either way."""
+    extra = {**MIGRATING, "stages": 1}
+    scs = [Scenario("conv", "1f1b", steps=4, extra=extra),
+           Scenario("transformer", "gpipe", steps=4, optimizer="adamw", extra=extra)]
+    results, _, _ = spawn(2, scs, timeout_s=300, env_extra={"PIPENAS_REDUCE_SHM": "1"})
+    for sc, got in zip(scs, results):
+        assert_same_as_reference(got, reference(sc), f"{sc.space} through shared memory (S, R)=(1, 2)")
+
+
+def test_the_shared_buffers_grow_alternate_and_leave_no_name_behind() -> None:
+    """Replica 0's side of the shared-memory reduction: a set per parity of the reduction's
+    count, a new (larger) file when a subnet needs more, every name removed at the end of the
+    reduction that made it (the mappings stay usable)."""
+    import os
+
+    import torch
+    from torch import nn
+
+    from pipeline.replicas import _SharedFlats
+
+    shm = _SharedFlats(os.urandom(8).hex(), 0, first=True)
+    small = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    large = small + [nn.Parameter(torch.zeros(100))]
+    names = lambda: sorted(f for f in os.listdir("/dev/shm") if shm.token in f)  # noqa: E731
+    a = shm.begin(small)
+    assert {dt: t.numel() for dt, t in a.items()} == {torch.float32: 3, torch.float64: 2}
+    assert len(names()) == 2
+    a[torch.float32].fill_(1.0)
+    shm.end()
+    assert names() == [] and a[torch.float32].sum().item() == 3.0  # unlinked, still mapped
+    b = shm.begin(small)  # the other parity: its own files
+    assert b[torch.float32].data_ptr() != a[torch.float32].data_ptr() and len(names()) == 2
+    shm.end()
+    c = shm.begin(large)  # parity 0 again, too small now: a new generation
+    assert c[torch.float32].numel() == 103 and c[torch.float32].data_ptr() != a[torch.float32].data_ptr()
+    shm.end()
+    d = shm.begin(small)  # parity 1: big enough, the same buffer
+    assert d[torch.float32].data_ptr() == b[torch.float32].data_ptr() and names() == []
+    shm.end()
+
 
 def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_action() -> None:
     sc = [Scenario("transformer", "1f1b", steps=4, extra={"stages": 2})]
