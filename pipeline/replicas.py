@@ -119,15 +119,13 @@ class ReplicaReducer:
     """The exact reduction of one stage's gradients (and batch-norm statistics) across replicas."""
 
     def __init__(self, mesh: Mesh, transport: Transport, group: dist.ProcessGroup, mode: str = "exact",
-                 bn_transport: Transport | None = None, shm_min_bytes: int | None = None, shm_bytes: int = 0) -> None:
+                 bn_transport: Transport | None = None, shared_memory: bool = False, shm_bytes: int = 0) -> None:
         self.mesh, self.transport, self.group = mesh, transport, group
         # the gradients' flat buffers in this host's shared memory, when every replica of this
-        # stage runs here on the CPU and an update's gradients come to ``shm_min_bytes`` (None:
-        # never); the wire then carries the masks, losses and statistics. ``shm_bytes``: every
-        # gradient of the supernet (no stage needs more), what /dev/shm must have room for twice
-        self.shm_min_bytes = shm_min_bytes if shm_min_bytes is not None else 0
-        self.shm = (_SharedFlats.open(mesh, group, transport.device, shm_bytes)
-                    if shm_min_bytes is not None else None)
+        # stage runs here on the CPU (the wire then carries the masks, losses and statistics);
+        # ``shm_bytes``: every gradient of the supernet (no stage needs more), what /dev/shm must
+        # have room for twice
+        self.shm = _SharedFlats.open(mesh, group, transport.device, shm_bytes) if shared_memory else None
         # the batch-norm statistics' own channel (another group of the same ranks: its messages
         # leave at a subnet's last forward, the gradients' at its update, so the two interleave
         # differently with several subnets in flight); None: the gradients' channel, in step
@@ -245,8 +243,7 @@ class ReplicaReducer:
             return head + _message_specs(params, with_bns)
 
         mine = torch.tensor(list(losses), dtype=torch.float64, device=dev) if losses is not None else None
-        if (self.shm is not None and params and not self.fast
-                and sum(p.numel() * p.element_size() for p in params) >= self.shm_min_bytes):
+        if self.shm is not None and params and not self.fast:
             so_far = self._reduce_shared(params, bns, hop_bns, mine, per)
             self.reduce_s += time.perf_counter() - t0
             return tuple(so_far.tolist()) if so_far is not None else None

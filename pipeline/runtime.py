@@ -66,17 +66,13 @@ __all__ = ["PipelineEngine", "StageFailure", "Plan", "AgreementError"]
 log = logging.getLogger(__name__)
 
 
-# The replicas' gradients through this host's shared memory (``PIPENAS_REDUCE_SHM``): ``auto``
-# from 256 KiB an update (below, a message's copies cost less than the shared buffers' copy out;
-# the transformer w256's 8 MB: auto 1.40x -> 1.60x one process), ``1`` always, ``0`` never
-SHM_MIN_BYTES = {"auto": 256 << 10, "1": 0, "0": None}
-
-
-def _shm_min_bytes() -> int | None:
-    value = os.environ.get("PIPENAS_REDUCE_SHM", "auto")
-    if value not in SHM_MIN_BYTES:
-        raise ValueError(f"PIPENAS_REDUCE_SHM: expected one of {sorted(SHM_MIN_BYTES)}, found {value!r}")
-    return SHM_MIN_BYTES[value]
+def _shared_memory() -> bool:
+    """Whether the replicas of a stage on one host reduce their gradients through shared memory
+    (``PIPENAS_REDUCE_SHM``, default 1; 0 sends them over the wire as between hosts)."""
+    value = os.environ.get("PIPENAS_REDUCE_SHM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PIPENAS_REDUCE_SHM: expected 0 or 1, found {value!r}")
+    return value == "1"
 
 
 @dataclass
@@ -194,7 +190,7 @@ class PipelineEngine:
                                                           peers=mesh.replica_ranks()), rgroup, settings.reduce,
                                           bn_transport=Transport(mesh.replica, self.device, timeout, group=bgroup,
                                                                  peers=mesh.replica_ranks()),
-                                          shm_min_bytes=_shm_min_bytes(),
+                                          shared_memory=_shared_memory(),
                                           shm_bytes=sum(c.param_bytes for c in costs.ops.values()) if costs else 0)
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
         # the peer tier (memory.activations peer | auto): stage s hands saved activations to P - 1 - s
