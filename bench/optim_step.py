@@ -1,8 +1,9 @@
 """What PortableAdamW costs against torch's AdamW: one update of a subnet's op parameters.
 
 PortableAdamW (``pipeline/memory/optim.py``) is the tensor manager's AdamW on CUDA: one rounding
-per operation, so a host-side update gives the GPU's bits. It launches more kernels than torch's
-``foreach=False`` AdamW (about 10 elementwise kernels per parameter against about 6). This times
+per operation, so a host-side update gives the GPU's bits. It launches about 10 elementwise
+kernels per parameter; torch's AdamW as ``OptimConfig`` builds it (``foreach=False`` until
+2026-11-26, about 6 kernels; the fused kernel since, one call for all). This times
 both, alternating, on the parameters of one subnet of the app's transformer (``--width``,
 ``--layers``) through ``OptimGroup`` (the engine's one call per stage), medians over
 ``--repeats``, and says whether one update of each gives the same bits as the other.

@@ -93,14 +93,15 @@ class OracleRun:
 
 
 def _optimizer(optim, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """One plain torch optimizer over every parameter: with ``foreach=False`` each parameter
-    is updated on its own, so one optimizer does what one per op does."""
+    """One plain torch optimizer over every parameter: SGD with ``foreach=False`` and AdamW's
+    fused CPU kernel (the engine's choice) both update each parameter on its own, element by
+    element, so one optimizer does what one per op does."""
     if optim.name == "sgd":
         return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay,
                                nesterov=optim.nesterov, foreach=False)
     if optim.name == "adamw":
         return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                 weight_decay=optim.weight_decay, foreach=False)
+                                 weight_decay=optim.weight_decay, fused=True)
     raise ValueError(f"oracle: unknown optimizer {optim.name!r}")
 
 

@@ -1,7 +1,10 @@
 """Per-op optimizers: their settings, and one optimizer call that steps many ops at once.
 
-Every op has its own optimizer (``foreach=False``, so an op's update is the same arithmetic
-whatever else a process owns, and its state travels with it). On CUDA, AdamW runs as
+Every op has its own optimizer, whose update is the same arithmetic whatever else a process
+owns (SGD ``foreach=False``; AdamW torch's fused kernel, element by element within each tensor:
+one update of a transformer w256 subnet's 666 k parameters takes 0.68 ms on this 2-core VM's
+CPU against 1.67 ms with ``foreach=False``, ``bench/optim_step.py``), and its state travels
+with it. On CUDA, with the tensor manager, AdamW runs as
 :class:`PortableAdamW`: the CPU's and the GPU's fused AdamW kernels round differently, and a
 budgeted run updates some ops on the host (``memory.optimizer`` host or hybrid). A step of tens of ops through
 tens of optimizer calls costs ~40 us of hooks and bookkeeping each, so :class:`OptimGroup`
@@ -47,7 +50,7 @@ class OptimConfig:
             return PortableAdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
                                  weight_decay=self.weight_decay)
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                 weight_decay=self.weight_decay, foreach=False)
+                                 weight_decay=self.weight_decay, fused=True)
 
 
 class PortableAdamW(torch.optim.Optimizer):
@@ -92,8 +95,8 @@ class PortableAdamW(torch.optim.Optimizer):
 class OptimGroup:
     """One optimizer call for the parameters of many per-op optimizers.
 
-    The per-parameter arithmetic is the same (``foreach=False`` updates each parameter on its
-    own), and the state lives where it did: the group's ``state`` maps each parameter to its
+    The per-parameter arithmetic is the same (SGD's ``foreach=False`` and AdamW's fused kernel
+    update each parameter on its own), and the state lives where it did: the group's ``state`` maps each parameter to its
     own op optimizer's state dict, which the update fills in place."""
 
     def __init__(self, config: OptimConfig, device: torch.device) -> None:
