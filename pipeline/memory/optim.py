@@ -1,11 +1,11 @@
 """Per-op optimizers: their settings, and one optimizer call that steps many ops at once.
 
 Every op has its own optimizer, whose update is the same arithmetic whatever else a process
-owns (SGD ``foreach=False``; AdamW torch's fused kernel, element by element within each tensor:
-one update of a transformer w256 subnet's 666 k parameters takes 0.68 ms on this 2-core VM's
-CPU against 1.67 ms with ``foreach=False``, ``bench/optim_step.py``), and its state travels
-with it. On CUDA, with the tensor manager, AdamW runs as
-:class:`PortableAdamW`: the CPU's and the GPU's fused AdamW kernels round differently, and a
+owns, and its state travels with it. SGD runs with ``foreach=False``; AdamW on the CPU with
+torch's fused kernel (element by element within each tensor: one update of a transformer w256
+subnet's 666 k parameters takes 0.68 ms on the 2-core VM against 1.67 ms with ``foreach=False``,
+``bench/optim_step.py``), elsewhere with ``foreach=False``. On CUDA with the tensor manager, AdamW
+runs as :class:`PortableAdamW`: the CPU's and the GPU's AdamW kernels round differently, and a
 budgeted run updates some ops on the host (``memory.optimizer`` host or hybrid). A step of tens of ops through
 tens of optimizer calls costs ~40 us of hooks and bookkeeping each, so :class:`OptimGroup`
 steps them in one call over the same per-parameter state dicts.
@@ -49,8 +49,11 @@ class OptimConfig:
         if self.portable:
             return PortableAdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
                                  weight_decay=self.weight_decay)
+        # the CPU's fused kernel (one call, per element); elsewhere foreach=False, whose bits
+        # PortableAdamW reproduces (a budgeted CUDA run's host-side updates, bench/cuda_bits.py)
+        cpu = all(p.device.type == "cpu" for p in params)
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                 weight_decay=self.weight_decay, fused=True)
+                                 weight_decay=self.weight_decay, **({"fused": True} if cpu else {"foreach": False}))
 
 
 class PortableAdamW(torch.optim.Optimizer):
