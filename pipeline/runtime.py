@@ -187,9 +187,9 @@ class PipelineEngine:
             state = Transport(me, self.device, timeout, group=new_group_per(mesh, "stage"), peers=peers)
             rgroup, bgroup = new_group_per(mesh, "replica"), new_group_per(mesh, "replica")
             self.reducer = ReplicaReducer(mesh, Transport(mesh.replica, self.device, timeout, group=rgroup,
-                                                          peers=mesh.replica_ranks()), rgroup, settings.reduce,
-                                          bn_transport=Transport(mesh.replica, self.device, timeout, group=bgroup,
-                                                                 peers=mesh.replica_ranks()),
+                                                          peers=mesh.replica_ranks()), rgroup,
+                                          Transport(mesh.replica, self.device, timeout, group=bgroup,
+                                                    peers=mesh.replica_ranks()), settings.reduce,
                                           shared_memory=_shared_memory(),
                                           shm_bytes=sum(c.param_bytes for c in costs.ops.values()) if costs else 0)
         self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
