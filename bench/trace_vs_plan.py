@@ -166,7 +166,7 @@ def measured_pricing(run_dir: Path, graph, sample_shape, microbatch: int, optimi
     if table is None:
         table = measured_costs(graph, sample_shape, microbatch, optimizer, "cpu")
     if runtime is None:
-        runtime = cached_costs("cpu", "gloo", world)
+        runtime = cached_costs("cpu", "gloo", world, optimizer)
     return table, runtime
 
 

@@ -23,7 +23,8 @@ together on shared cores (1.0 on idle cores, 2.0 when they get half a core each)
 Collective: every rank of the default group calls :func:`runtime_costs` alike; rank 0 reads the
 cache or measures (with rank 1 for the link) and broadcasts, so every rank plans with the same
 figures. The cache (``$PIPENAS_CACHE`` or ``~/.cache/pipenas``, ``runtime-<key>.json``) is keyed
-by the device (name, thread count), the backend, the world size and the torch version.
+by the device (name, thread count), the backend, the world size, the torch version and the
+optimizer (its update is what ``update_*`` time: an AdamW run must not price with SGD's figures).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from .profile import _device_name, default_cache_dir
 __all__ = ["runtime_costs", "cached_costs", "measure_link", "measure_local", "probe_contention", "FORMAT"]
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # bump when the measurement changes: old cache entries stop matching
+FORMAT = 3  # bump when the measurement changes: old cache entries stop matching (3: AdamW's fused CPU kernel)
 LINK_BYTES = (4, 64 << 10, 1 << 20, 4 << 20)
 
 
@@ -150,14 +151,15 @@ def probe_contention(device: torch.device, seconds: float = 0.05) -> float:
     return (time.perf_counter() - w0) / max(time.thread_time() - c0, 1e-9)
 
 
-def _key(device: torch.device, backend: str, world_size: int) -> tuple[str, dict[str, Any]]:
+def _key(device: torch.device, backend: str, world_size: int, optimizer: str) -> tuple[str, dict[str, Any]]:
     fields = {"format": FORMAT, "device": device.type, "device_name": _device_name(device), "backend": backend,
-              "world_size": world_size, "torch": torch.__version__}
+              "world_size": world_size, "torch": torch.__version__, "optimizer": optimizer}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest(), fields
 
 
-def _path(device: torch.device, backend: str, world_size: int, cache_dir) -> tuple[Path, str, dict[str, Any]]:
-    key, fields = _key(device, backend, world_size)
+def _path(device: torch.device, backend: str, world_size: int, optimizer: str,
+          cache_dir) -> tuple[Path, str, dict[str, Any]]:
+    key, fields = _key(device, backend, world_size, optimizer)
     return Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"runtime-{key[:32]}.json", key, fields
 
 
@@ -172,11 +174,12 @@ def _read(path: Path, key: str) -> RuntimeCosts | None:
         return None
 
 
-def cached_costs(device: torch.device | str, backend: str, world_size: int,
+def cached_costs(device: torch.device | str, backend: str, world_size: int, optimizer: str,
                  cache_dir: str | os.PathLike | None = None) -> RuntimeCosts:
-    """The runtime costs cached for this machine (a job of ``world_size`` ranks on ``backend``),
-    else the assumed defaults (``source="assumed"``); measures nothing (reports use it)."""
-    path, key, _ = _path(torch.device(device), backend, world_size, cache_dir)
+    """The runtime costs cached for this machine (a job of ``world_size`` ranks on ``backend``
+    training with ``optimizer``), else the assumed defaults (``source="assumed"``); measures
+    nothing (reports use it)."""
+    path, key, _ = _path(torch.device(device), backend, world_size, optimizer, cache_dir)
     return _read(path, key) or RuntimeCosts()
 
 
@@ -190,7 +193,7 @@ def runtime_costs(graph: SupernetGraph, sample_shape: Sequence[int], optimizer: 
     t0 = time.perf_counter()
     many = world_size > 1 and dist.is_initialized()
     backend = dist.get_backend() if many else "none"
-    path, key, fields = _path(device, backend, world_size, cache_dir)
+    path, key, fields = _path(device, backend, world_size, optimizer.name, cache_dir)
     box: list[Any] = [None]
     if rank == 0 and use_cache:
         cached = _read(path, key)
