@@ -316,12 +316,9 @@ class ReplicaReducer:
             so_far = torch.cat([got.pop(0), mine]) if mine is not None else None
             present = got.pop()
             contribs = [self._contrib.pop(id(p), (p, []))[1] for p in params]
-            has = present.tolist()
-            n = len(contribs[0])
-            if all(has) and all(len(c) == n for c in contribs):  # the common case: one foreach add per micro-batch
-                for j in range(n):
-                    torch._foreach_add_(views, [c[j] for c in contribs])
-            else:
+            # the common case as the wire's: one foreach add per dtype and micro-batch, here into the shared buffers
+            if _add_flat([present, *flats.values()], params, contribs) is None:
+                has = present.tolist()
                 for i, cs in enumerate(contribs):
                     for c in cs:
                         if has[i]:
@@ -465,7 +462,7 @@ def _pack(grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter],
 
 def _add_flat(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
               contribs: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor] | None:
-    """Add this replica's contributions to the received message's flat gradient buffers, in
+    """Add this replica's contributions to the flat gradient buffers of ``got`` (a received message's, or the shared ones), in
     micro-batch order: per micro-batch one ``_foreach_add_`` into the buffers' per-parameter
     views, the same elementwise float adds as one ``+=`` per parameter (the reference's), in one
     call instead of a Python call per parameter, and no copy. Only when every parameter has a
