@@ -174,8 +174,9 @@ class GradClip:
 
     def __call__(self, modules: Sequence[nn.Module], device: torch.device,
                  exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
-        """Clip the gradients of ``modules`` (this process's ops of the subnet, in op order) in
-        place; returns the global norm before clipping (a collective when ``exchange`` is given)."""
+        """Clip the gradients of ``modules`` (this process's ops of the subnet, in op order): each
+        is replaced by its scaled copy, never scaled in place (with replicas on one host it may be
+        a view of the shared sum every replica reads; the same bits as ``mul_``); returns the global norm before clipping (a collective when ``exchange`` is given)."""
         sums = grad_sq_sums(modules, device)
         total = 0.0
         for v in (exchange(sums) if exchange is not None else sums).tolist():  # op order, on every rank alike
@@ -186,7 +187,7 @@ class GradClip:
             for m in modules:
                 for p in m.parameters():
                     if p.grad is not None:
-                        p.grad.mul_(scale)
+                        p.grad = p.grad * scale
         return norm
 
 

@@ -332,6 +332,8 @@ class StageExecutor:
         clip = self.clipper(step, plan) if self.clipper is not None else None
         with self.shared.updating(ordered, step) as stepped:
             update(self.tensors, stepped, lr, mb_losses, clip)
+        if self.reducer is not None:
+            self.reducer.released()  # (gradients the reduction left in shared memory: stepped or dropped now)
         return tuple(mb_losses)
 
 

@@ -32,12 +32,19 @@ gradients; a replica's contributions are kept until then (M/R copies of the grad
 stage's ops). Every replica reduces the same modules, so a hop's message is payload only (a
 presence mask, then flat buffers per dtype), its receives posted at once.
 
-**Same host, shared memory.** When every replica of a stage runs on one host on the CPU, the
-flat gradient buffers live in ``/dev/shm`` (:class:`_SharedFlats`): replica 0 writes its partial
-there, each next replica adds in place, and the chain's messages carry only the losses, the
-presence mask and (the final one) the statistics; each replica copies the sum out. gloo's
-loopback copies every message through the kernel on both sides, on the cores that compute: the
-transformer w256's data-parallel run went from 1.40x to 1.60x one process.
+**Same host, shared memory.** When every replica of a stage runs on one host on the CPU (and
+the CPU keeps memory order: x86-64), the whole chain runs in ``/dev/shm``
+(:class:`pipeline.shm.SharedReduction`): replica 0 writes its partial there chunk by chunk (about
+1 MB each), replica k > 0 adds its contributions to a chunk in place as soon as its
+predecessor's counter on a shared page says the chunk is done, while the predecessor goes on
+with the next; the losses, the presence mask and the final statistics lie beside the
+gradients. No message and no copy out: every replica steps with the sum where it lies (its
+``.grad`` are views of the shared buffers until :meth:`ReplicaReducer.released`, after the
+update; nothing may scale them in place, which is why clipping makes a scaled copy). gloo's
+loopback copied every message through the kernel on both sides, on the cores that compute, and
+each hop's wake-up cost 0.2-0.3 ms inside a loaded step: the transformer w256's data-parallel
+step spent 9.7 ms in the reduction with the gradients on the wire, 3.5 ms with them in shared
+memory and the chain's messages on gloo, 1.8-2.8 ms now.
 
 **Fast mode** (``pipeline.reduce: fast``): every replica accumulates its own micro-batches and
 one all-reduce (per dtype) sums the replicas' partials in the backend's order. Not
@@ -47,11 +54,7 @@ batch-norm statistics still take the exact chain (small). One collective instead
 """
 from __future__ import annotations
 
-import atexit
-import os
-import socket
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -64,6 +67,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .layout import LayoutError, replicas_of
+from .shm import SharedReduction
 from .transport import PostedRecv, Transport, peer_errors, wait_for
 from .wire import TensorSpec
 
@@ -132,7 +136,9 @@ class ReplicaReducer:
         # stage runs here on the CPU (the wire then carries the masks, losses and statistics);
         # ``shm_bytes``: every gradient of the supernet (no stage needs more), what /dev/shm must
         # have room for twice
-        self.shm = _SharedFlats.open(mesh, group, transport.device, shm_bytes) if shared_memory else None
+        self.shm = (SharedReduction.open(mesh, group, transport.device, shm_bytes, transport.timeout.total_seconds())
+                    if shared_memory else None)
+        self._lent: list[nn.Parameter] = []  # parameters whose .grad are views of the shared buffers
         # the batch-norm statistics' own channel (another group of the same ranks: its messages
         # leave at a subnet's last forward, the gradients' at its update, so the two interleave
         # differently with several subnets in flight)
@@ -250,6 +256,7 @@ class ReplicaReducer:
         mine = torch.tensor(list(losses), dtype=torch.float64, device=dev) if losses is not None else None
         if self.shm is not None and params and not self.fast:
             so_far = self._reduce_shared(params, bns, mine, per)
+            self.bn_transport.flush()
             self.reduce_s += time.perf_counter() - t0
             return tuple(so_far.tolist()) if so_far is not None else None
         flat = None
@@ -287,62 +294,60 @@ class ReplicaReducer:
 
     def _reduce_shared(self, params: list[nn.Parameter], bns: Sequence[_BatchNorm], mine: torch.Tensor | None,
                        per: int) -> torch.Tensor | None:
-        """:meth:`reduce`'s chain with the gradients in shared memory: replica 0 writes its
-        partial there, each replica k > 0 adds its contributions in place when its predecessor's
-        message (losses so far, the presence mask) says the partial is there, the last one's
-        message to every other says the sum is; each replica then copies the sum out. The same
-        adds on the same bytes as the wire's chain; no gradient crosses a socket."""
-        k, last, tr = self.mesh.replica, self.mesh.replicas - 1, self.transport
-
-        def buffers() -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
-            flats = self.shm.begin(params)  # (a replica k > 0 maps a new file once its predecessor wrote it)
-            return flats, [v.view_as(p) for v, p in zip(_split_views(flats, params), params)]
-
-        def specs(replicas_before: int, with_bns: Sequence[_BatchNorm]) -> list[TensorSpec]:
-            head = [TensorSpec((replicas_before * per,), torch.float64)] if mine is not None else []
-            return head + _message_specs([], with_bns) + [TensorSpec((len(params),), torch.uint8)]
-
+        """:meth:`reduce`'s chain in shared memory (:class:`pipeline.shm.SharedReduction`), in
+        chunks of parameters: replica 0 writes its partial there chunk by chunk, and replica
+        k > 0 adds its contributions to a chunk in place as soon as its predecessor's counter
+        says the chunk is done, while the predecessor goes on with the next (the copy and the
+        adds overlap on two cores). The same adds on the same bytes as the wire's chain. Every
+        replica's losses go to their own slots, the last replica's final statistics to the
+        message buffer; every replica then steps with the sum where it lies (``.grad`` are
+        views of the shared buffers until :meth:`released`: nothing copied out)."""
+        shm, k, last = self.shm, self.mesh.replica, self.mesh.replicas - 1
+        layout = _Message(self.mesh.replicas * per, len(params), bns)
+        flats, message = shm.begin(params, layout.nbytes)
+        views = [v.view_as(p) for v, p in zip(_split_views(flats, params), params)]
+        losses, mask = layout.losses(message), layout.mask(message)
+        chunks = _chunks(params)
         if self.first:
-            flats, views = buffers()
-            grads = [p.grad for p in params]
-            for v, g in zip(views, grads):
-                if g is not None:
-                    v.copy_(g)
-            present = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
-            so_far = mine
+            for j, (a, b) in enumerate(chunks):
+                for i in range(a, b):
+                    g = params[i].grad
+                    if g is not None:
+                        views[i].copy_(g)
+                mask[a:b] = torch.tensor([params[i].grad is not None for i in range(a, b)], dtype=torch.uint8)
+                shm.post(j + 1)
         else:
-            got = tr.post_recv(k - 1, specs(k, [])).wait()
-            flats, views = buffers()
-            so_far = torch.cat([got.pop(0), mine]) if mine is not None else None
-            present = got.pop()
             contribs = [self._contrib.pop(id(p), (p, []))[1] for p in params]
-            # the common case as the wire's: one foreach add per dtype and micro-batch, here into the shared buffers
-            if _add_flat([present, *flats.values()], params, contribs) is None:
-                has = present.tolist()
-                for i, cs in enumerate(contribs):
-                    for c in cs:
-                        if has[i]:
-                            views[i].add_(c)  # the reference's +=
-                        else:
-                            views[i].copy_(c)
-                            has[i] = 1
-                present = torch.tensor(has, dtype=torch.uint8)
-        head = [so_far] if so_far is not None else []
+            for j, (a, b) in enumerate(chunks):
+                shm.wait(k - 1, j + 1)
+                has = _add_contribs(views[a:b], contribs[a:b], mask[a:b].tolist())
+                if has is not None:  # a parameter had no partial sum: it has the first contribution now
+                    mask[a:b] = torch.tensor(has, dtype=torch.uint8)
+                shm.post(j + 1)
+            shm.wait(k - 1, len(chunks) + 1)  # (its losses are written: the last replica's post says all are)
+        if mine is not None:
+            losses[k * per:(k + 1) * per] = mine
+        if k == last:
+            for region, flat in zip(layout.stats(message), _pack([], [], bns)):
+                region.copy_(flat)
+        shm.post(len(chunks) + 1)
         if k < last:
-            payload = head + [present]
-            final = tr.exchange([(payload, k + 1)], (last, specs(last + 1, bns))).wait()
-            so_far = final.pop(0) if mine is not None else None
-            present = final.pop()
-            _set_bn(bns, _unpack(final, [], bns)[1])
-        else:
-            tr.exchange([(head + _pack([], [], bns) + [present], dst) for dst in range(last)], None)
-        tr.flush()
-        self.bn_transport.flush()
-        mine_flats = {dt: f.clone() for dt, f in flats.items()}  # the sum, out of the shared buffers
-        self.shm.end()
-        for p, v, has in zip(params, _split_views(mine_flats, params), present.tolist()):
-            p.grad = v.view_as(p) if has else None
+            shm.wait(last, len(chunks) + 1)
+            _set_bn(bns, _unpack(layout.stats(message), [], bns)[1])
+        so_far = losses.clone() if mine is not None else None
+        for p, v, has in zip(params, views, mask.tolist()):
+            p.grad = v if has else None
+        self._lent = params
+        shm.end()
         return so_far
+
+    def released(self) -> None:
+        """After the update of the gradients :meth:`reduce` left in shared memory: drop them
+        (the next reduction but one rewrites those buffers; a later backward must not add to
+        them)."""
+        for p in self._lent:
+            p.grad = None
+        self._lent = []
 
     def _all_reduce(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
         """The sum of every replica's accumulated gradients (``None`` where no replica has one):
@@ -512,89 +517,77 @@ def _split_views(flats: dict[torch.dtype, torch.Tensor], params: Sequence[nn.Par
     return [next(parts[p.dtype]) for p in params]
 
 
-class _SharedFlats:
-    """The exact reduction's gradient buffers in shared memory (``/dev/shm``) for the replicas of
-    one stage on one host (CPU; gloo's loopback copies each message through the kernel twice:
-    the transformer w256's 8 MB there and back cost ~6 ms a step on 2 cores).
-
-    Two sets of buffers, one per parity of the reduction's count: a replica writes set ``n % 2``
-    in reduction n only after every replica has finished reduction n - 1 (the last replica's
-    message of reduction n - 1 came after every replica's adds, each replica copies the sum out
-    before its next reduction), so a set is never rewritten while a replica still reads it. A
-    set grows (a new file) when a subnet needs more than it holds; every replica sees the same
-    parameters, so each decides alike. Replica 0 creates a file, the others map it when the
-    chain's message says it is written; replica 0 removes the name once every replica has mapped
-    it (at the end of the reduction that made it: the mappings stay), so nothing is left behind."""
-
-    def __init__(self, token: str, stage: int, first: bool) -> None:
-        self.token, self.stage, self.first = token, stage, first
-        self.count = 0
-        self._sets: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]] = {}  # (parity, dtype) -> (generation, buffer)
-        self._made: list[str] = []  # files replica 0 created in this reduction
-        atexit.register(self._remove)  # a reduction cut short (a peer failed) leaves no name behind
-
-    @classmethod
-    def open(cls, mesh: Mesh, group: dist.ProcessGroup, device: torch.device, max_bytes: int) -> _SharedFlats | None:
-        """Collective over this stage's replicas: shared buffers if every one runs on this host
-        on the CPU and ``/dev/shm`` has room for two sets of ``max_bytes`` (every gradient of the
-        supernet: no stage needs more), else None (the wire carries the gradients)."""
-        ok = device.type == "cpu" and os.access("/dev/shm", os.W_OK)
-        if ok:
-            st = os.statvfs("/dev/shm")
-            ok = st.f_bavail * st.f_frsize >= 2 * max_bytes + (64 << 20)
-        here = (socket.gethostname(), _boot_id(), ok, uuid.uuid4().hex)
-        every: list = [None] * mesh.replicas
-        dist.all_gather_object(every, here, group=group)
-        if not all(e[:3] == every[0][:3] for e in every) or not every[0][2]:
-            return None
-        return cls(every[0][3], mesh.stage, mesh.replica == 0)
-
-    def begin(self, params: Sequence[nn.Parameter]) -> dict[torch.dtype, torch.Tensor]:
-        """This reduction's flat buffers, one per dtype, sized for ``params`` (views)."""
-        parity = self.count % 2
-        out = {}
-        for dt in _dtypes(params):
-            n = sum(p.numel() for p in params if p.dtype == dt)
-            gen, buf = self._sets.get((parity, dt), (-1, None))
-            if buf is None or buf.numel() < n:
-                gen += 1
-                buf = self._map(parity, dt, gen, n)
-                self._sets[(parity, dt)] = (gen, buf)
-            out[dt] = buf[:n]
-        return out
-
-    def end(self) -> None:
-        self.count += 1
-        self._remove()  # every replica has mapped them by now
-
-    def _remove(self) -> None:
-        made, self._made = self._made, []
-        for path in made:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-    def _map(self, parity: int, dt: torch.dtype, gen: int, n: int) -> torch.Tensor:
-        path = f"/dev/shm/pipenas-{self.token}-s{self.stage}-p{parity}-{str(dt).replace('torch.', '')}-g{gen}"
-        n = max(n, 1)
-        if self.first:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:  # the pages reserved now: a full /dev/shm fails here, not with SIGBUS at a write
-                os.posix_fallocate(fd, 0, n * torch.empty((), dtype=dt).element_size())
-            except OSError as e:
-                raise RuntimeError(f"replicated stages: no room in /dev/shm for the gradient reduction's "
-                                   f"{n} x {dt} buffer ({e}); run with PIPENAS_REDUCE_SHM=0 to send them "
-                                   "over the wire") from e
-            finally:
-                os.close(fd)
-            self._made.append(path)
-        return torch.from_file(path, shared=True, size=n, dtype=dt)
+_CHUNK = 1 << 18  # elements: the shared chain's unit of progress (1 MB of float32 gradients)
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+def _chunks(params: Sequence[nn.Parameter]) -> list[tuple[int, int]]:
+    """``params`` in consecutive ranges of at least :data:`_CHUNK` elements (the last one may
+    hold fewer): the same ranges on every replica."""
+    out, start, n = [], 0, 0
+    for i, p in enumerate(params):
+        n += p.numel()
+        if n >= _CHUNK:
+            out.append((start, i + 1))
+            start, n = i + 1, 0
+    if start < len(params):
+        out.append((start, len(params)))
+    return out
+
+
+def _add_contribs(views: Sequence[torch.Tensor], contribs: Sequence[Sequence[torch.Tensor]],
+                  has: list[int]) -> list[int] | None:
+    """Add each parameter's contributions, in micro-batch order, to its partial sum in ``views``
+    (``has[i]``: whether it has one; where not, its first contribution is copied there), the
+    reference's ``+=`` per micro-batch: one ``_foreach_add_`` per micro-batch in the common case
+    (every parameter has a partial sum and the same number of contributions), else one add per
+    parameter. Returns the new ``has`` where it changed, else None."""
+    n = len(contribs[0]) if contribs else 0
+    if all(has) and all(len(c) == n for c in contribs):
+        for j in range(n):
+            torch._foreach_add_(list(views), [c[j] for c in contribs])
+        return None
+    changed = False
+    for i, cs in enumerate(contribs):
+        for c in cs:
+            if has[i]:
+                views[i].add_(c)
+            else:
+                views[i].copy_(c)
+                has[i], changed = 1, True
+    return has if changed else None
+
+
+class _Message:
+    """The shared chain's message buffer (bytes): every replica's micro-batch losses (float64,
+    in global micro-batch order), the presence mask (uint8, one per parameter), then the final
+    batch-norm statistics flat per dtype (:func:`_pack`'s order), each part 8-byte aligned."""
+
+    def __init__(self, losses: int, params: int, bns: Sequence[_BatchNorm]) -> None:
+        self.parts: list[tuple[int, int, torch.dtype]] = []  # (offset, count, dtype)
+        offset = 0
+
+        def add(count: int, dt: torch.dtype) -> None:
+            nonlocal offset
+            self.parts.append((offset, count, dt))
+            offset += -(-count * dt.itemsize // 8) * 8
+
+        add(losses, torch.float64)
+        add(params, torch.uint8)
+        buffers = _bn_buffers(bns)
+        for dt in _dtypes(buffers):
+            add(sum(t.numel() for t in buffers if t.dtype == dt), dt)
+        self.nbytes = offset
+
+    def _part(self, message: torch.Tensor, i: int) -> torch.Tensor:
+        offset, count, dt = self.parts[i]
+        size = dt.itemsize
+        return message[offset:offset + count * size].view(dt)
+
+    def losses(self, message: torch.Tensor) -> torch.Tensor:
+        return self._part(message, 0)
+
+    def mask(self, message: torch.Tensor) -> torch.Tensor:
+        return self._part(message, 1)
+
+    def stats(self, message: torch.Tensor) -> list[torch.Tensor]:
+        return [self._part(message, i) for i in range(2, len(self.parts))]

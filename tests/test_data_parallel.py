@@ -92,34 +92,69 @@ def test_replicas_over_the_wire_equal_one_process_too() -> None:
 
 def test_the_shared_buffers_grow_alternate_and_leave_no_name_behind() -> None:
     """Replica 0's side of the shared-memory reduction: a set per parity of the reduction's
-    count, a new (larger) file when a subnet needs more, every name removed at the end of the
-    reduction that made it (the mappings stay usable)."""
+    count (gradients per dtype and the message bytes), a new (larger) file when a subnet needs
+    more, every name removed at the end of the reduction that made it (the mappings stay usable)."""
     import os
 
     import torch
     from torch import nn
 
-    from pipeline.replicas import _SharedFlats
+    from pipeline.shm import SharedReduction
 
-    shm = _SharedFlats(os.urandom(8).hex(), 0, first=True)
+    shm = SharedReduction(os.urandom(8).hex(), 0, replica=0, replicas=1)
     small = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, dtype=torch.float64))]
     large = small + [nn.Parameter(torch.zeros(100))]
     names = lambda: sorted(f for f in os.listdir("/dev/shm") if shm.token in f)  # noqa: E731
-    a = shm.begin(small)
-    assert {dt: t.numel() for dt, t in a.items()} == {torch.float32: 3, torch.float64: 2}
-    assert len(names()) == 2
+    a, ma = shm.begin(small, 16)
+    assert {dt: t.numel() for dt, t in a.items()} == {torch.float32: 3, torch.float64: 2} and ma.numel() == 16
+    assert len(names()) == 3
     a[torch.float32].fill_(1.0)
     shm.end()
     assert names() == [] and a[torch.float32].sum().item() == 3.0  # unlinked, still mapped
-    b = shm.begin(small)  # the other parity: its own files
-    assert b[torch.float32].data_ptr() != a[torch.float32].data_ptr() and len(names()) == 2
+    b, _ = shm.begin(small, 16)  # the other parity: its own files
+    assert b[torch.float32].data_ptr() != a[torch.float32].data_ptr() and len(names()) == 3
     shm.end()
-    c = shm.begin(large)  # parity 0 again, too small now: a new generation
+    c, mc = shm.begin(large, 8)  # parity 0 again, too small now: a new generation (the message is big enough)
     assert c[torch.float32].numel() == 103 and c[torch.float32].data_ptr() != a[torch.float32].data_ptr()
+    assert mc.data_ptr() == ma.data_ptr() and len(names()) == 1
     shm.end()
-    d = shm.begin(small)  # parity 1: big enough, the same buffer
+    d, _ = shm.begin(small, 16)  # parity 1: big enough, the same buffer
     assert d[torch.float32].data_ptr() == b[torch.float32].data_ptr() and names() == []
     shm.end()
+
+
+def test_the_shared_doorbell_waits_for_its_peer_and_names_a_lost_one() -> None:
+    """The replicas' counters (:class:`pipeline.shm.SharedReduction`): a wait returns once the
+    peer's counter reached the value in this reduction or a later one; a peer whose process has
+    gone, or that says nothing within the timeout, is a PeerError naming its rank (no hang)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from pipeline.shm import SharedReduction
+    from pipeline.transport import PeerError
+
+    bell = torch.zeros(16, dtype=torch.int64)  # one process stands in for both replicas
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    token = os.urandom(8).hex()
+    a = SharedReduction(token, 0, 0, 2, pids=[os.getpid(), int(gone.stdout)], ranks=[4, 6], timeout_s=0.3, bell=bell)
+    b = SharedReduction(token, 0, 1, 2, pids=[os.getpid(), os.getpid()], ranks=[4, 6], timeout_s=0.3, bell=bell)
+    a.post(3)
+    b.wait(0, 3)
+    b.wait(0, 2)
+    a.count += 1  # replica 0 went on to the next reduction: the earlier one's values count as reached
+    a.post(0)
+    b.wait(0, 7)
+    b.count += 1
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="rank 4 failed: no answer within 0.3 s"):
+        b.wait(0, 1)  # alive, silent
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(PeerError, match="rank 6 failed: its process exited"):
+        a.wait(1, 0)
 
 
 def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_action() -> None:
@@ -130,6 +165,18 @@ def test_a_failing_replica_stops_every_rank_naming_rank_replica_stage_step_actio
     assert "rank 3 (replica 1, stage 1) failed at step 2 during 1U" in procs[3].stderr, procs[3].stderr[-2000:]
     for r in (0, 1, 2):
         assert "root cause: rank 3 failed at step 2 during 1U" in procs[r].stderr, procs[r].stderr[-2000:]
+    assert seconds < 120
+
+
+def test_a_replica_killed_before_the_shared_reduction_ends_the_job_naming_it() -> None:
+    """(S, R) = (1, 2) on one host: the gradients' chain runs in shared memory, where no socket
+    closes when a peer dies. Replica 1 killed at its update: replica 0, polling the shared
+    counter, sees the process gone and exits naming rank 1 (no hang until the timeout)."""
+    sc = [Scenario("transformer", "1f1b", steps=4, extra={"stages": 1})]
+    _, procs, seconds = spawn(2, sc, timeout_s=150, env_extra={"PIPENAS_FAULT": "1:2:0U:kill"}, expect_ok=False)
+    assert all(p is not None for p in procs), "a rank hung"
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert "reducing gradients with rank 1 failed: its process exited" in procs[0].stderr, procs[0].stderr[-2000:]
     assert seconds < 120
 
 
