@@ -43,6 +43,8 @@ __all__ = ["SharedReduction", "supported"]
 
 _SLOT = 8  # int64s per counter: one 64-byte cache line each (no false sharing between replicas)
 _POLL_S = 0.05  # how often a waiting replica looks at its peer's process and the clock
+_SPIN_S = 50e-6  # how long a waiting replica polls without a pause (a chunk's wait: its predecessor is at work)
+_SLEEP_S = 20e-6  # then its pause between looks (the kernel's timer slack makes it ~70 us)
 
 
 def supported() -> bool:
@@ -162,14 +164,14 @@ class SharedReduction:
         if bell[i] >= target:
             return
         start = time.monotonic()
-        check, spins = start + _POLL_S, 0
+        check, spin_until = start + _POLL_S, start + _SPIN_S
         while bell[i] < target:
-            spins += 1
-            if spins > 64:  # a while spinning, then let another process on this core run between looks
-                os.sched_yield()
-            if spins % 64 == 0 and time.monotonic() >= check:
-                check = time.monotonic() + _POLL_S
-                self._check(replica, check - start)
+            now = time.monotonic()
+            if now >= spin_until:  # a long wait: sleep between looks (leave the core to the other processes' threads)
+                time.sleep(_SLEEP_S)
+            if now >= check:
+                check = now + _POLL_S
+                self._check(replica, now - start)
 
     def _check(self, replica: int, waited_s: float) -> None:
         rank = self.ranks[replica] if self.ranks else replica
