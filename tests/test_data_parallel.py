@@ -123,6 +123,21 @@ def test_the_shared_buffers_grow_alternate_and_leave_no_name_behind() -> None:
     shm.end()
 
 
+@pytest.mark.parametrize("sizes", [[], [1], [5, 3], [1 << 18], [1 << 17, 1 << 17, 1, 1 << 20, 7], [3] * 100])
+def test_the_shared_chains_chunks_cover_the_parameters_in_order(sizes: list[int]) -> None:
+    """The units of the shared chain's progress: consecutive, covering every parameter once,
+    each at least ``_CHUNK`` elements but the last."""
+    import torch
+    from torch import nn
+
+    from pipeline.replicas import _CHUNK, _chunks
+
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    chunks = _chunks(params)
+    assert [i for a, b in chunks for i in range(a, b)] == list(range(len(params)))
+    assert all(sum(sizes[a:b]) >= _CHUNK for a, b in chunks[:-1])
+
+
 def test_the_shared_doorbell_waits_for_its_peer_and_names_a_lost_one() -> None:
     """The replicas' counters (:class:`pipeline.shm.SharedReduction`): a wait returns once the
     peer's counter reached the value in this reduction or a later one; a peer whose process has
@@ -185,11 +200,13 @@ def test_the_reductions_flat_add_equals_one_add_per_parameter(case: str) -> None
     """The exact reduction adds a replica's contributions to the received partial sums one add
     per dtype and micro-batch (``_add_flat``): the same bits as the reference's ``+=`` per
     parameter; where a parameter has no partial sum or another number of contributions it
-    declines (None, nothing changed) and the reducer adds per parameter."""
+    declines (None, nothing changed) and the reducer adds per parameter. The shared chain's
+    ``_add_contribs`` gives the same bits in every case (a missing partial: the first
+    contribution is copied where it lies)."""
     import torch
     from torch import nn
 
-    from pipeline.replicas import _add_flat, _pack, _unpack
+    from pipeline.replicas import _add_contribs, _add_flat, _pack, _unpack
 
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(5, dtype=torch.float64)),
@@ -206,6 +223,12 @@ def test_the_reductions_flat_add_equals_one_add_per_parameter(case: str) -> None
         for c in cs:
             acc = c.clone() if acc is None else acc.add_(c)
         expected.append(acc)
+    # the shared chain's adds (_add_contribs, on views of the shared buffers): every case, the same bits
+    views = [torch.full_like(p, float("nan")) if part is None else part.clone() for p, part in zip(params, partial)]
+    has = [int(part is not None) for part in partial]
+    changed = _add_contribs(views, contribs, list(has))
+    assert (changed is None) == (case != "a missing partial") and (changed is None or changed == [1, 1, 1])
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(views, expected))
     got = _pack(partial, params, [])
     flat = _add_flat(got, params, contribs)
     if case != "flat":
