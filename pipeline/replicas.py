@@ -139,6 +139,8 @@ class ReplicaReducer:
         self.shm = (SharedReduction.open(mesh, group, transport.device, shm_bytes, transport.timeout.total_seconds())
                     if shared_memory else None)
         self._lent: list[nn.Parameter] = []  # parameters whose .grad are views of the shared buffers
+        # forwards_done's walks, until reduce takes them (bounded: subnets in flight are fewer)
+        self._found: deque[tuple[tuple[nn.Module, ...], list[_BatchNorm]]] = deque(maxlen=16)
         # the batch-norm statistics' own channel (another group of the same ranks: its messages
         # leave at a subnet's last forward, the gradients' at its update, so the two interleave
         # differently with several subnets in flight)
@@ -185,6 +187,7 @@ class ReplicaReducer:
         go to replica 1; a replica k > 0 posts the receive of its predecessor's. Every replica
         runs the same schedule, so each channel's sends and receives come in the same order."""
         bns = _bns(modules)
+        self._found.append((tuple(modules), bns))  # (for :meth:`reduce`: one walk of the modules a subnet)
         if not bns:
             return
         if self.first:
@@ -192,6 +195,15 @@ class ReplicaReducer:
             self._bn_out.append(_key(bns))
         else:
             self._bn_in.append((_key(bns), self.bn_transport.post_recv(self.mesh.replica - 1, _message_specs([], bns))))
+
+    def _bns_of(self, modules: Sequence[nn.Module]) -> list[_BatchNorm]:
+        """The batch norms of ``modules``: those :meth:`forwards_done` found for the same modules
+        (the same objects, held until now), else walked again."""
+        for i, (held, bns) in enumerate(self._found):
+            if len(held) == len(modules) and all(a is b for a, b in zip(held, modules)):
+                del self._found[i]
+                return bns
+        return _bns(modules)
 
     def _chain_bn(self, bns: Sequence[_BatchNorm]) -> None:
         """This replica's link of the batch-norm chain, before the gradients': replica 0 sends
@@ -230,7 +242,7 @@ class ReplicaReducer:
         every replica's, in global micro-batch order, are returned."""
         t0 = time.perf_counter()
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        bns = _bns(modules)
+        bns = self._bns_of(modules)
         self._chain_bn(bns)  # on its own channel, ahead of the gradients (their hops carry none)
         if self.fast:  # every replica accumulated its own micro-batches; the chain carries the statistics only
             for p, g in zip(params, self._all_reduce(params)):
