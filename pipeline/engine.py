@@ -176,7 +176,8 @@ class GradClip:
                  exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
         """Clip the gradients of ``modules`` (this process's ops of the subnet, in op order): each
         is replaced by its scaled copy, never scaled in place (with replicas on one host it may be
-        a view of the shared sum every replica reads; the same bits as ``mul_``); returns the global norm before clipping (a collective when ``exchange`` is given)."""
+        a view of the shared sum every replica reads; the same bits as ``mul_``); returns the
+        global norm before clipping (a collective when ``exchange`` is given)."""
         sums = grad_sq_sums(modules, device)
         total = 0.0
         for v in (exchange(sums) if exchange is not None else sums).tolist():  # op order, on every rank alike

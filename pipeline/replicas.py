@@ -271,25 +271,25 @@ class ReplicaReducer:
             self.bn_transport.flush()
             self.reduce_s += time.perf_counter() - t0
             return tuple(so_far.tolist()) if so_far is not None else None
-        flat = None
+        sends_bns = bns if k == last else []  # the final message carries the final statistics
         if self.first:
             grads = [p.grad for p in params]
             so_far = mine
+            payload = _pack(grads, params, sends_bns)
         else:
             got = tr.post_recv(k - 1, specs(k, [])).wait()
             so_far = torch.cat([got.pop(0), mine]) if losses is not None else None
-            contribs = [self._contrib.pop(id(p), (p, []))[1] for p in params]
-            flat = _add_flat(got, params, contribs)  # the common case: one foreach add per dtype and micro-batch
-            grads, _ = _unpack(got, params, [])  # views of the received (summed) buffers
-            if flat is None:
-                for i, cs in enumerate(contribs):
-                    for c in cs:
-                        grads[i] = c.clone() if grads[i] is None else grads[i].add_(c)  # the reference's +=
-        sends_bns = bns if k == last else []  # the final message carries the final statistics
-        if flat is not None:  # the received buffers, summed in place, go on as they are
-            payload = ([so_far] if losses is not None else []) + flat + _pack([], [], sends_bns)
-        else:
-            payload = ([so_far] if losses is not None else []) + _pack(grads, params, sends_bns)
+            grads, payload = [], got  # (no gradients: the fast mode's chain of statistics and losses)
+            if params:  # the received buffers, summed in place, go on as they are
+                mask, flats = got[0], got[1:]
+                views = _split_views(dict(zip(_dtypes(params), flats)), params)
+                has = _add_contribs(views, [self._contrib.pop(id(p), (p, []))[1] for p in params], mask.tolist())
+                if has is not None:  # a parameter had no partial sum: it has the first contribution now
+                    mask.copy_(torch.tensor(has, dtype=torch.uint8))
+                grads = [v if h else None for v, h in zip(views, mask.tolist())]
+            payload = payload + _pack([], [], sends_bns)
+        if losses is not None:
+            payload = [so_far] + payload
         if k < last:
             final = tr.exchange([(payload, k + 1)], (last, specs(last + 1, bns))).wait()  # posted with the send
             so_far = final.pop(0) if losses is not None else None
@@ -317,7 +317,7 @@ class ReplicaReducer:
         shm, k, last = self.shm, self.mesh.replica, self.mesh.replicas - 1
         layout = _Message(self.mesh.replicas * per, len(params), bns)
         flats, message = shm.begin(params, layout.nbytes)
-        views = [v.view_as(p) for v, p in zip(_split_views(flats, params), params)]
+        views = _split_views(flats, params)
         losses, mask = layout.losses(message), layout.mask(message)
         chunks = _chunks(params)
         if self.first:
@@ -477,29 +477,6 @@ def _pack(grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter],
     return out
 
 
-def _add_flat(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
-              contribs: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor] | None:
-    """Add this replica's contributions to the flat gradient buffers of ``got`` (a received message's, or the shared ones), in
-    micro-batch order: per micro-batch one ``_foreach_add_`` into the buffers' per-parameter
-    views, the same elementwise float adds as one ``+=`` per parameter (the reference's), in one
-    call instead of a Python call per parameter, and no copy. Only when every parameter has a
-    partial sum and the same number of contributions (else None, nothing changed: the caller
-    adds per parameter). Returns the message's mask and gradient buffers."""
-    if not params:
-        return None
-    n = len(contribs[0])
-    present = got[0]
-    if any(len(c) != n for c in contribs) or not bool(present.all()):
-        return None
-    flats = list(got[1:1 + len(_dtypes(params))])
-    for flat, dt in zip(flats, _dtypes(params)):
-        mine = [(p, c) for p, c in zip(params, contribs) if p.dtype == dt]
-        views = list(flat.split([p.numel() for p, _ in mine]))
-        for j in range(n):
-            torch._foreach_add_(views, [c[j].reshape(-1) for _, c in mine])
-    return [present, *flats]
-
-
 def _unpack(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
             bns: Sequence[_BatchNorm]) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     """:func:`_pack`'s inverse: the gradients (views of the flat buffers; None where the mask
@@ -508,25 +485,16 @@ def _unpack(got: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
     grads: list[torch.Tensor | None] = []
     if params:
         present = got.pop(0).tolist()
-        parts = {dt: iter(got.pop(0).split([p.numel() for p in params if p.dtype == dt])) for dt in _dtypes(params)}
-        for p, has in zip(params, present):
-            part = next(parts[p.dtype])
-            grads.append(part.view_as(p) if has else None)
+        flats = {dt: got.pop(0) for dt in _dtypes(params)}
+        grads = [v if has else None for v, has in zip(_split_views(flats, params), present)]
     buffers = _bn_buffers(bns)
-    flats = {dt: got.pop(0) for dt in _dtypes(buffers)}
-    offsets = dict.fromkeys(flats, 0)
-    stats = []
-    for t in buffers:
-        o, n = offsets[t.dtype], t.numel()
-        stats.append(flats[t.dtype][o:o + n].view_as(t))
-        offsets[t.dtype] = o + n
-    return grads, stats
+    return grads, _split_views({dt: got.pop(0) for dt in _dtypes(buffers)}, buffers)
 
 
-def _split_views(flats: dict[torch.dtype, torch.Tensor], params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-    """Each parameter's flat view of the per-dtype buffers ``flats``, in order."""
-    parts = {dt: iter(f.split([p.numel() for p in params if p.dtype == dt])) for dt, f in flats.items()}
-    return [next(parts[p.dtype]) for p in params]
+def _split_views(flats: dict[torch.dtype, torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's view (its shape) of the per-dtype flat buffers ``flats``, in order."""
+    parts = {dt: iter(f.split([t.numel() for t in tensors if t.dtype == dt])) for dt, f in flats.items()}
+    return [next(parts[t.dtype]).view_as(t) for t in tensors]
 
 
 _CHUNK = 1 << 18  # elements: the shared chain's unit of progress (1 MB of float32 gradients)

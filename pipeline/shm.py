@@ -109,7 +109,8 @@ class SharedReduction:
                    timeout_s, bell)
 
     # -- the buffers ---------------------------------------------------------------------------
-    def begin(self, params: Sequence[nn.Parameter], message_bytes: int) -> tuple[dict[torch.dtype, torch.Tensor], torch.Tensor]:
+    def begin(self, params: Sequence[nn.Parameter],
+              message_bytes: int) -> tuple[dict[torch.dtype, torch.Tensor], torch.Tensor]:
         """This reduction's flat gradient buffers, one per dtype sized for ``params``, and its
         message buffer of ``message_bytes`` (views). Replica 0 creates what is missing and
         announces it (counter value 0); the others wait for that before they map."""

@@ -196,17 +196,17 @@ def test_a_replica_killed_before_the_shared_reduction_ends_the_job_naming_it() -
 
 
 @pytest.mark.parametrize("case", ["flat", "a missing partial", "uneven contributions"])
-def test_the_reductions_flat_add_equals_one_add_per_parameter(case: str) -> None:
-    """The exact reduction adds a replica's contributions to the received partial sums one add
-    per dtype and micro-batch (``_add_flat``): the same bits as the reference's ``+=`` per
-    parameter; where a parameter has no partial sum or another number of contributions it
-    declines (None, nothing changed) and the reducer adds per parameter. The shared chain's
-    ``_add_contribs`` gives the same bits in every case (a missing partial: the first
-    contribution is copied where it lies)."""
+def test_the_reductions_add_equals_one_add_per_parameter(case: str) -> None:
+    """A replica adds its contributions to the partial sums where they lie (``_add_contribs``:
+    in the received message's flat buffers on the wire, in the shared buffers on one host):
+    one add per dtype and micro-batch where every parameter has a partial sum and the same
+    number of contributions, else one per parameter, and a parameter without a partial sum gets
+    its first contribution copied in. The same bits as the reference's ``+=`` per parameter in
+    every case; the message then unpacks to the sums (its mask updated)."""
     import torch
     from torch import nn
 
-    from pipeline.replicas import _add_contribs, _add_flat, _pack, _unpack
+    from pipeline.replicas import _add_contribs, _dtypes, _pack, _split_views, _unpack
 
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.zeros(3, 4)), nn.Parameter(torch.zeros(5, dtype=torch.float64)),
@@ -223,18 +223,19 @@ def test_the_reductions_flat_add_equals_one_add_per_parameter(case: str) -> None
         for c in cs:
             acc = c.clone() if acc is None else acc.add_(c)
         expected.append(acc)
-    # the shared chain's adds (_add_contribs, on views of the shared buffers): every case, the same bits
+    # the shared chain: views of the shared buffers (a missing partial's slot holds stale bytes)
     views = [torch.full_like(p, float("nan")) if part is None else part.clone() for p, part in zip(params, partial)]
     has = [int(part is not None) for part in partial]
     changed = _add_contribs(views, contribs, list(has))
     assert (changed is None) == (case != "a missing partial") and (changed is None or changed == [1, 1, 1])
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(views, expected))
+    # the wire: replica 0's message, summed in place, as the next replica passes it on
     got = _pack(partial, params, [])
-    flat = _add_flat(got, params, contribs)
-    if case != "flat":
-        assert flat is None
-        return
-    grads, _ = _unpack(list(flat), params, [])
+    mask, flats = got[0], got[1:]
+    changed = _add_contribs(_split_views(dict(zip(_dtypes(params), flats)), params), contribs, mask.tolist())
+    if changed is not None:
+        mask.copy_(torch.tensor(changed, dtype=torch.uint8))
+    grads, _ = _unpack(got, params, [])
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(grads, expected))
 
 

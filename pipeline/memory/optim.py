@@ -99,8 +99,8 @@ class OptimGroup:
     """One optimizer call for the parameters of many per-op optimizers.
 
     The per-parameter arithmetic is the same (SGD's ``foreach=False`` and AdamW's fused kernel
-    update each parameter on its own), and the state lives where it did: the group's ``state`` maps each parameter to its
-    own op optimizer's state dict, which the update fills in place."""
+    update each parameter on its own), and the state lives where it did: the group's ``state``
+    maps each parameter to its own op optimizer's state dict, which the update fills in place."""
 
     def __init__(self, config: OptimConfig, device: torch.device) -> None:
         self.config, self.device = config, device
