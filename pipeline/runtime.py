@@ -56,6 +56,7 @@ from .plan.placement import initial_owners
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
 from .rendezvous import init_process_group
 from .replicas import Mesh, ReplicaReducer, new_group_per
+from .shm import DigestBoard
 from .settings import DistEnv, PipelineSettings
 from .shared import SharedOps, shared_ops_of
 from .trace import Span, Tracer
@@ -67,8 +68,9 @@ log = logging.getLogger(__name__)
 
 
 def _shared_memory() -> bool:
-    """Whether the replicas of a stage on one host reduce their gradients through shared memory
-    (``PIPENAS_REDUCE_SHM``, default 1; 0 sends them over the wire as between hosts)."""
+    """Whether the replicas of a stage on one host reduce their gradients through shared memory,
+    and the ranks on one host post their agreement digests there (``PIPENAS_REDUCE_SHM``,
+    default 1; 0 sends both over the wire as between hosts)."""
     value = os.environ.get("PIPENAS_REDUCE_SHM", "1")
     if value not in ("0", "1"):
         raise ValueError(f"PIPENAS_REDUCE_SHM: expected 0 or 1, found {value!r}")
@@ -192,7 +194,10 @@ class PipelineEngine:
                                                     peers=mesh.replica_ranks()), settings.reduce,
                                           shared_memory=_shared_memory(),
                                           shm_bytes=sum(c.param_bytes for c in costs.ops.values()) if costs else 0)
-        self.agreement = Agreement(self.device, timeout, settings.check_agreement, dist.new_group() if many else None)
+        agree = dist.new_group() if many else None
+        board = (DigestBoard.open(agree, env.rank, env.world_size, self.device, timeout)
+                 if many and settings.check_agreement and _shared_memory() else None)  # (collective)
+        self.agreement = Agreement(self.device, timeout, settings.check_agreement, agree, board)
         # the peer tier (memory.activations peer | auto): stage s hands saved activations to P - 1 - s
         self.peer = (open_peer(me, self.num_stages, self.transport.global_rank, self.device, timeout)
                      if peer_needed(memory, self.num_stages, env.world_size) else None)

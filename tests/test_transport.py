@@ -76,6 +76,70 @@ def test_a_lost_rank_in_the_agreement_check_is_a_peers_failure(monkeypatch: pyte
     assert str(info.value) == f"the agreement check with the other ranks failed: {CLOSED.splitlines()[0]}"
 
 
+def _boards(n: int, pids=None, timeout_s: float = 5.0) -> list:
+    """``n`` ranks' digest boards over one page (one process stands in for every rank)."""
+    import os
+
+    from pipeline.shm import DigestBoard
+
+    page = torch.zeros(8 * n, dtype=torch.int64)
+    return [DigestBoard(r, n, pids or [os.getpid()] * n, timeout_s, page) for r in range(n)]
+
+
+def test_the_digest_board_gives_every_rank_every_digest_round_by_round() -> None:
+    """:class:`pipeline.shm.DigestBoard`: round n's digests stay readable while a rank goes on
+    to post round n + 1 (two slots by parity); a rank that posts with a round unread reads it
+    first, so no slot is rewritten before every rank read it; a round read early is kept."""
+    a, b, c = _boards(3)
+    assert [x.post(d) for x, d in ((a, 11), (b, 11), (c, 12))] == [1, 1, 1]
+    assert a.read(1) == b.read(1) == [11, 11, 12]
+    assert a.post(21) == 2 and b.post(22) == 2
+    assert c.post(23) == 2 and c.read_up_to == 1  # c read round 1 before posting round 2
+    assert c.read(1) == [11, 11, 12] and c.read(2) == [21, 22, 23]
+    assert a.post(31) == 3 and a.read_up_to == 2  # round 2 read on the way: round 3 overwrites round 1's slot
+    assert a.read(2) == [21, 22, 23]
+    with pytest.raises(ValueError, match=r"expected a round this rank posted .* found 4"):
+        a.read(4)
+
+
+def test_the_digest_board_names_a_lost_or_silent_rank() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    a, b = _boards(2, pids=[os.getpid(), int(gone.stdout)], timeout_s=0.3)
+    a.post(5)
+    with pytest.raises(PeerError, match=r"^the agreement check with rank 1 failed: its process exited$"):
+        a.read(1)
+    a, b = _boards(2, timeout_s=0.3)
+    a.post(5)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"^the agreement check with rank 1 failed: no answer within 0.3 s$"):
+        a.read(1)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_agreement_over_the_board_decides_as_the_all_reduce_does(same: bool) -> None:
+    """With a board every rank reads every digest: all agree, or every rank sees the
+    disagreement (a read with ``strict`` false returns None on each; a check raises)."""
+    boards = _boards(2)
+    ranks = [ag.Agreement(torch.device("cpu"), 5.0, enabled=True, group=object(), board=bd) for bd in boards]
+    digests = [7, 7 if same else 8]
+    for r, d in zip(ranks, digests):
+        r.post(d, "a plan")
+    assert [r.read(strict=False) for r in ranks] == (digests if same else [None, None])
+    boards[0].post(digests[0])  # rank 0's side of a check (one process: it cannot wait for rank 1 here)
+    if same:
+        ranks[1].check(digests[1], "a plan")
+    else:
+        with pytest.raises(ag.AgreementError, match="ranks disagree on a plan"):
+            ranks[1].check(digests[1], "a plan")
+    assert ranks[1].round_trips == 1
+
+
 def test_a_peers_failure_leaves_no_note_and_quotes_the_root_cause(tmp_path: Path) -> None:
     """A rank's own error leaves a note naming it; a rank that lost its peer leaves none (it
     would name the wrong rank) and quotes the note of the rank that failed."""
