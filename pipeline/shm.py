@@ -87,27 +87,15 @@ class SharedReduction:
         (:func:`supported`) and ``/dev/shm`` has room for two sets of ``max_bytes`` (every
         gradient of the supernet: no stage needs more), else None (the wire carries the
         gradients)."""
-        ok = device.type == "cpu" and supported() and os.access("/dev/shm", os.W_OK)
+        ok = _usable(device)
         if ok:
             st = os.statvfs("/dev/shm")
             ok = st.f_bavail * st.f_frsize >= 2 * max_bytes + (64 << 20)
-        here = (socket.gethostname(), _boot_id(), ok, uuid.uuid4().hex, os.getpid())
-        every: list = [None] * mesh.replicas
-        dist.all_gather_object(every, here, group=group)
-        if not all(e[:3] == every[0][:3] for e in every) or not every[0][2]:
+        got = _open_page(group, mesh.replica, mesh.replicas, ok, f"s{mesh.stage}-bell", "the gradient reduction's")
+        if got is None:
             return None
-        token = every[0][3]
-        path = f"/dev/shm/pipenas-{token}-s{mesh.stage}-bell"
-        n = _SLOT * mesh.replicas
-        if mesh.replica == 0:
-            _create(path, n * 8)
-        dist.barrier(group=group)
-        bell = torch.from_file(path, shared=True, size=n, dtype=torch.int64)
-        dist.barrier(group=group)  # every replica has mapped it: the name can go
-        if mesh.replica == 0:
-            os.unlink(path)
-        return cls(token, mesh.stage, mesh.replica, mesh.replicas, [e[4] for e in every], mesh.replica_ranks(),
-                   timeout_s, bell)
+        bell, token, pids = got
+        return cls(token, mesh.stage, mesh.replica, mesh.replicas, pids, mesh.replica_ranks(), timeout_s, bell)
 
     # -- the buffers ---------------------------------------------------------------------------
     def begin(self, params: Sequence[nn.Parameter],
@@ -194,21 +182,11 @@ class DigestBoard:
              timeout_s: float) -> DigestBoard | None:
         """Collective over every rank (``group``: all of them): a board if every rank runs on
         this host on the CPU and the CPU keeps memory order, else None (gloo carries the check)."""
-        ok = device.type == "cpu" and supported() and os.access("/dev/shm", os.W_OK)
-        here = (socket.gethostname(), _boot_id(), ok, uuid.uuid4().hex, os.getpid())
-        every: list = [None] * world_size
-        dist.all_gather_object(every, here, group=group)
-        if not all(e[:3] == every[0][:3] for e in every) or not every[0][2]:
+        got = _open_page(group, rank, world_size, _usable(device), "agreement", "the agreement board's")
+        if got is None:
             return None
-        path = f"/dev/shm/pipenas-{every[0][3]}-agreement"
-        if rank == 0:
-            _create(path, _SLOT * world_size * 8)
-        dist.barrier(group=group)
-        page = torch.from_file(path, shared=True, size=_SLOT * world_size, dtype=torch.int64)
-        dist.barrier(group=group)  # every rank has mapped it: the name can go
-        if rank == 0:
-            os.unlink(path)
-        return cls(rank, world_size, [e[4] for e in every], timeout_s, page)
+        page, _, pids = got
+        return cls(rank, world_size, pids, timeout_s, page)
 
     def post(self, digest: int) -> int:
         """This rank's digest of the next round (a 63-bit int); returns the round."""
@@ -258,17 +236,46 @@ def _wait_for(words, i: int, target: int, pid: int | None, rank: int, timeout_s:
                 raise PeerError(rank, what, f"no answer within {timeout_s:g} s")
 
 
-def _create(path: str, nbytes: int) -> None:
+def _usable(device: torch.device) -> bool:
+    """Whether this rank could share memory with the others: on the CPU, one that keeps memory
+    order (:func:`supported`), with ``/dev/shm`` writable."""
+    return device.type == "cpu" and supported() and os.access("/dev/shm", os.W_OK)
+
+
+def _open_page(group: dist.ProcessGroup, rank: int, size: int, ok: bool, name: str,
+               what: str) -> tuple[torch.Tensor, str, list[int]] | None:
+    """Collective over ``group`` (``size`` ranks, this one its ``rank``): when every rank runs on
+    this host (same host name and boot) and says ``ok``, a page of one :data:`_SLOT` of int64s per
+    rank in ``/dev/shm`` that every rank maps (its name removed once all have mapped it), the
+    job's token and every rank's pid; else None. ``what`` names the page in an error."""
+    here = (socket.gethostname(), _boot_id(), ok, uuid.uuid4().hex, os.getpid())
+    every: list = [None] * size
+    dist.all_gather_object(every, here, group=group)
+    if not all(e[:3] == every[0][:3] for e in every) or not every[0][2]:
+        return None
+    token = every[0][3]
+    path, words = f"/dev/shm/pipenas-{token}-{name}", _SLOT * size
+    if rank == 0:
+        _create(path, words * 8, what)
+    dist.barrier(group=group)
+    page = torch.from_file(path, shared=True, size=words, dtype=torch.int64)
+    dist.barrier(group=group)  # every rank has mapped it: the name can go
+    if rank == 0:
+        os.unlink(path)
+    return page, token, [e[4] for e in every]
+
+
+def _create(path: str, nbytes: int, what: str = "the gradient reduction's") -> None:
     """A new file of ``nbytes`` in /dev/shm, its pages reserved now: a full /dev/shm fails here,
-    not with SIGBUS at a write."""
+    not with SIGBUS at a write (``what`` names the file in that error)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(nbytes, 1))
     except OSError as e:
         os.close(fd)
         os.unlink(path)
-        raise RuntimeError(f"replicated stages: no room in /dev/shm for the gradient reduction's {nbytes} bytes "
-                           f"({e}); run with PIPENAS_REDUCE_SHM=0 to send them over the wire") from e
+        raise RuntimeError(f"no room in /dev/shm for {what} {nbytes} bytes ({e}); run with "
+                           "PIPENAS_REDUCE_SHM=0 to send it over the wire") from e
     os.close(fd)
 
 
