@@ -41,7 +41,9 @@ def base_args(space: str, steps: int) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # this tree first; what the caller's path holds after it (packages carried beside the image's)
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def digest_of(run_dir: Path) -> str | None:

@@ -64,8 +64,9 @@ HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "window4_zbh
 
 
 def _env(tree: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT", "PYTHONPATH")}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT")}
+    # the tree first; what the caller's path holds after it (packages carried beside the image's)
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")])))
 
 
 def _overrides(tree: Path, name: str) -> list[str]:

@@ -13,6 +13,7 @@ both, alternating, on the parameters of one subnet of the app's transformer (``-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -40,22 +41,24 @@ def main() -> None:
     torch.manual_seed(0)
     graph, _ = _graph(["space=transformer", f"space.width={args.width}", f"space.layers={args.layers}"])
     active = graph.active_ops(graph.space().random(random.Random(0)))
+    kinds = ["torch", "portable"] + (["fused", "foreach"] if args.device == "cuda" else [])
     runs = {}
-    for portable in (False, True):
-        cfg = OptimConfig(name="adamw", lr=1e-3, weight_decay=0.01, portable=portable)
+    for kind in kinds:
+        cfg = (OptimConfig(name="adamw", lr=1e-3, weight_decay=0.01, portable=kind == "portable")
+               if kind in ("torch", "portable") else _Kernel(name="adamw", lr=1e-3, weight_decay=0.01, kernel=kind))
         torch.manual_seed(1)
         mods = {op.op_id: build_op(op.spec, op.op_id, 0).to(args.device) for op in active}
         mods = {k: m for k, m in mods.items() if any(True for _ in m.parameters())}
         opts = [(k, cfg.build(list(m.parameters()))) for k, m in mods.items()]
-        runs[portable] = (mods, opts, OptimGroup(cfg, torch.device(args.device)))
-    numel = sum(p.numel() for p in runs[False][0].values() for p in p.parameters())
-    times = {False: [], True: []}
+        runs[kind] = (mods, opts, OptimGroup(cfg, torch.device(args.device)))
+    numel = sum(p.numel() for p in runs["torch"][0].values() for p in p.parameters())
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     gen = torch.Generator(device=args.device).manual_seed(2)
     grads = [torch.randn(p.shape, generator=gen, device=args.device)
-             for m in runs[False][0].values() for p in m.parameters()]
+             for m in runs["torch"][0].values() for p in m.parameters()]
     for r in range(args.repeats + 3):
-        for portable in ((False, True) if r % 2 == 0 else (True, False)):
-            mods, opts, group = runs[portable]
+        for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+            mods, opts, group = runs[kind]
             for p, g in zip((p for m in mods.values() for p in m.parameters()), grads):
                 p.grad = g.clone()
             _sync(args.device)
@@ -63,16 +66,33 @@ def main() -> None:
             group.step(opts, 1e-3)
             _sync(args.device)
             if r >= 3:
-                times[portable].append(time.perf_counter() - t0)
-    same = all(torch.equal(a, b) for a, b in zip(
-        (p for m in runs[False][0].values() for p in m.parameters()),
-        (p for m in runs[True][0].values() for p in m.parameters())))
-    torch_ms, portable_ms = (statistics.median(times[k]) * 1e3 for k in (False, True))
-    print(json.dumps({"bench": "optim_step", "device": args.device, "width": args.width, "layers": args.layers,
-                      "ops": len(active), "parameters": numel, "repeats": args.repeats,
-                      "torch_adamw_ms": round(torch_ms, 3), "portable_adamw_ms": round(portable_ms, 3),
-                      "portable_over_torch": round(portable_ms / torch_ms, 3),
-                      "same_bits_after": same}))
+                times[kind].append(time.perf_counter() - t0)
+
+    def same(a: str, b: str) -> bool:
+        return all(torch.equal(x, y) for x, y in zip((p for m in runs[a][0].values() for p in m.parameters()),
+                                                      (p for m in runs[b][0].values() for p in m.parameters())))
+
+    ms = {k: statistics.median(times[k]) * 1e3 for k in kinds}
+    row = {"bench": "optim_step", "device": args.device, "width": args.width, "layers": args.layers,
+           "ops": len(active), "parameters": numel, "repeats": args.repeats,
+           "torch_adamw_ms": round(ms["torch"], 3), "portable_adamw_ms": round(ms["portable"], 3),
+           "portable_over_torch": round(ms["portable"] / ms["torch"], 3), "same_bits_after": same("torch", "portable")}
+    if args.device == "cuda":  # torch's fused CUDA kernel and foreach=True beside them: faster, and which bits?
+        row.update(fused_adamw_ms=round(ms["fused"], 3), foreach_adamw_ms=round(ms["foreach"], 3),
+                   fused_same_as_torch=same("fused", "torch"), fused_same_as_portable=same("fused", "portable"),
+                   foreach_same_as_torch=same("foreach", "torch"))
+    print(json.dumps(row))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel(OptimConfig):
+    """torch's AdamW with another kernel than the app builds on this device (``kernel``: fused or foreach)."""
+    kernel: str = "fused"
+
+    def build(self, params):  # type: ignore[override]
+        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                 weight_decay=self.weight_decay,
+                                 **({"fused": True} if self.kernel == "fused" else {"foreach": True}))
 
 
 if __name__ == "__main__":
