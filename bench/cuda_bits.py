@@ -73,13 +73,18 @@ def compare(what: str, a: tuple[list[float], str], b: tuple[list[float], str], *
           flush=True)
 
 
-def update_bits(optim: str, portable: bool = False) -> bool:
+def update_bits(optim: str, portable: bool = False, kernel: str | None = None) -> bool:
+    """One update of the same tensors on the CPU and the GPU: the same bits? ``kernel``: torch's
+    AdamW with ``fused=True`` or ``foreach=True`` on both (None: as ``OptimConfig`` builds it)."""
     g = torch.Generator().manual_seed(0)
     p0, grads = torch.randn(4096, generator=g), [torch.randn(4096, generator=g) for _ in range(3)]
     outs = []
     for dev in ("cpu", "cuda"):
         p = torch.nn.Parameter(p0.clone().to(dev))
-        opt = dataclasses.replace(OPTIMS[optim], portable=portable).build([p])
+        c = dataclasses.replace(OPTIMS[optim], portable=portable)
+        opt = (c.build([p]) if kernel is None else
+               torch.optim.AdamW([p], lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
+                                 **{kernel: True}))
         for gr in grads:
             p.grad = gr.to(dev)
             opt.step()
@@ -111,6 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--space", default="conv")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--updates-only", action="store_true", help="the elementwise and update rows only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/cuda_bits.py: needs CUDA")
@@ -119,6 +125,11 @@ def main() -> None:
     for optim, portable in (("sgd", False), ("adamw", False), ("adamw", True)):
         print(json.dumps({"bench": "cuda_bits", "what": "update", "optim": optim, "portable": portable,
                           "same": update_bits(optim, portable)}), flush=True)
+    for kernel in ("fused", "foreach"):  # could the CPU's fused kernel give a CUDA run's bits?
+        print(json.dumps({"bench": "cuda_bits", "what": "update", "optim": "adamw", "kernel": kernel,
+                          "same": update_bits("adamw", kernel=kernel)}), flush=True)
+    if args.updates_only:
+        return
     for optim in OPTIMS:
         for det in (False, True):
             use_deterministic_kernels("cuda", det)

@@ -10,7 +10,7 @@ and under a budget of 45 % of the supernet's op state (or the least the pre-chec
 more). It also runs, under the budget at window 4 delayed, each other optimizer placement and
 activation mode. A run's ``params_digest`` must equal the all-resident run's of the same settings.
 
-    python bench/cuda_compose.py [--device cuda] [--jobs 6] [--steps 8]
+    python bench/cuda_compose.py [--device cuda] [--jobs 6] [--steps 8] [--variants memory.activations=swap]
 
 One JSON line per budgeted run (``"kind": "run"``) and a last one with the counts. ``--device
 cpu`` runs the same table on the CPU (what the test suite proves already; a check of this script).
@@ -62,16 +62,20 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--spaces", nargs="+", default=["conv", "transformer", "resmlp"])
+    ap.add_argument("--variants", nargs="*", default=None, metavar="OVERRIDE",
+                    help="only these of the window-4 delayed rows (e.g. memory.activations=swap), no base grid")
     args = ap.parse_args()
+    variants = VARIANTS if args.variants is None else tuple((v,) for v in args.variants)
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-cuda-compose-"))
     common = [f"device={args.device}"]
     with ThreadPoolExecutor(args.jobs) as pool:
         whole = {sp: op_state_bytes(sp) for sp in args.spaces}
-        keys = list(itertools.product(args.spaces, ((), *VARIANTS)))
+        keys = list(itertools.product(args.spaces, ((), *variants)))
         leasts = dict(zip(keys, pool.map(lambda k: _least(*k, common, tmp), keys)))
         budget = {k: max(least, int(0.45 * whole[k[0]])) for k, least in leasts.items()}
-        cells = [(sp, w, m, ()) for sp, w, m in itertools.product(args.spaces, (1, 4), MODES)]
-        cells += [(sp, 4, "delayed", v) for sp in args.spaces for v in VARIANTS]
+        cells = [(sp, w, m, ()) for sp, w, m in itertools.product(args.spaces, (1, 4), MODES)
+                 if args.variants is None]
+        cells += [(sp, 4, "delayed", v) for sp in args.spaces for v in variants]
 
         def one(cell: tuple, budgeted: bool) -> tuple[str | None, float, str, int]:
             sp, w, m, variant = cell
@@ -81,7 +85,7 @@ def main() -> None:
                                      f"pipeline.shared_ops={m}", *extra], tmp / name)
             return (digest_of(tmp / name) if code == 0 else None), secs, tail, code
 
-        refs = {(sp, w, m): pool.submit(one, (sp, w, m, ()), False) for sp, w, m, v in cells if not v}
+        refs = {(sp, w, m): pool.submit(one, (sp, w, m, ()), False) for sp, w, m in {c[:3] for c in cells}}
         runs = [(c, pool.submit(one, c, True)) for c in cells]
         counts = {"runs": 0, "equal": 0, "failed": 0}
         for (sp, w, m, variant), fut in runs:

@@ -13,6 +13,13 @@ needs it (``ActivationPolicy.peer``: any object with ``put(tensor, group) -> han
 ``get(handle) -> tensor``, :class:`pipeline.memory.peer.PeerClient` in a pipeline; ``group``
 names the op call's micro-batch, whose tensors are fetched together). Without a peer (one
 process, or a stage with no pair) ``peer`` keeps them.
+
+A tensor that comes back has the layout it left with (:class:`Layout`: sizes, strides, and the
+address's offset from the allocator's alignment), not a contiguous copy: a GPU's kernels may
+round differently for another layout (a transposed operand, another alignment), and an H100
+did (``bench/cuda_compose.py``: swap under a budget differed from keep on the transformer).
+Views of weights (a ``weight.t()`` that a linear layer saves) are weights, not activations, and
+never leave; nor do tensors whose elements overlap (an expanded view).
 """
 from __future__ import annotations
 
@@ -27,9 +34,55 @@ from torch.utils.checkpoint import checkpoint
 
 from .ops import OpContext, run_op
 
-__all__ = ["ActivationPolicy", "run_with_policy", "CHOICES"]
+__all__ = ["ActivationPolicy", "Layout", "run_with_policy", "CHOICES"]
 
 CHOICES = ("keep", "swap", "recompute", "peer")
+
+
+_ALIGN = 512  # bytes: CUDA's caching allocator aligns every block to it (the CPU's to 64, which divides it)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor's elements sit: sizes, strides and the offset of its first element from an
+    ``_ALIGN``-byte boundary (in elements). :meth:`empty` makes a tensor with this layout."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Layout | None:
+        """``t``'s layout; None where a contiguous tensor has it already, or where elements
+        overlap (no fresh tensor can have that layout: such a tensor stays where it is)."""
+        offset = t.data_ptr() % _ALIGN // t.element_size()
+        if t.is_contiguous() and offset == 0:
+            return None
+        return Layout(tuple(t.shape), tuple(t.stride()), offset)
+
+    @staticmethod
+    def movable(t: torch.Tensor) -> bool:
+        """Whether no two of ``t``'s elements share memory (what a copy to a new home needs)."""
+        extent = 0  # the farthest element reached by the dimensions of smaller strides
+        for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+            if stride <= extent:
+                return False
+            extent += stride * (size - 1)
+        return True
+
+    def empty(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        span = 1 + sum(st * (sz - 1) for sz, st in zip(self.size, self.stride)) if all(self.size) else 0
+        return torch.empty(self.offset + span, dtype=dtype, device=device).as_strided(
+            self.size, self.stride, self.offset)
+
+
+def _restore(t: torch.Tensor, layout: Layout | None) -> torch.Tensor:
+    """``t``'s values in ``layout`` (``t`` itself where it is None)."""
+    if layout is None:
+        return t
+    out = layout.empty(t.dtype, t.device)
+    out.copy_(t)
+    return out
 
 
 class Peer(Protocol):
@@ -72,13 +125,15 @@ class ActivationPolicy:
             if handle is None:  # not worth it, or not a tensor the peer can carry
                 return t
             self.peered_bytes += t.numel() * t.element_size()
-            return _Away(handle, peer)
+            return _Away(handle, peer, Layout.of(t))
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def _worth(self, t: torch.Tensor) -> bool:
-        # weights stay where the tensor manager keeps them; small tensors are not worth it
-        return not (t.is_leaf and t.requires_grad) and t.numel() * t.element_size() >= self.min_bytes
+        # weights and their views stay where the tensor manager keeps them; small tensors are not
+        # worth it; overlapping ones cannot come back as they were
+        return (not _weight(t) and (t._base is None or not _weight(t._base))
+                and t.numel() * t.element_size() >= self.min_bytes and Layout.movable(t))
 
     def _pack(self, t: torch.Tensor):
         if not self._worth(t):
@@ -86,7 +141,11 @@ class ActivationPolicy:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
         host.copy_(t, non_blocking=t.is_cuda)
         self.swapped_bytes += host.numel() * host.element_size()
-        return t.device, host
+        return t.device, host, Layout.of(t)
+
+
+def _weight(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
 
 
 @dataclass(frozen=True)
@@ -95,15 +154,20 @@ class _Away:
 
     handle: Any
     peer: Peer
+    layout: Layout | None
 
 
 def _unpack(packed):
     if isinstance(packed, torch.Tensor):
         return packed
     if isinstance(packed, _Away):
-        return packed.peer.get(packed.handle)
-    device, host = packed
-    return host.to(device, non_blocking=device.type == "cuda")
+        return _restore(packed.peer.get(packed.handle), packed.layout)
+    device, host, layout = packed
+    if layout is None:
+        return host.to(device, non_blocking=device.type == "cuda")
+    out = layout.empty(host.dtype, device)
+    out.copy_(host, non_blocking=device.type == "cuda")
+    return out
 
 
 def run_with_policy(module: nn.Module, args: list[torch.Tensor], ctx: OpContext,
