@@ -49,14 +49,18 @@ class Migrator:
         return MigrationStats(len(todo), sent)
 
     def gather(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        """Every op's flat state on rank 0, copied to the CPU (collective; the owners keep theirs)."""
+        """Every op's flat state on rank 0, on the CPU (collective; the owners keep theirs). Rank
+        0's own ops come as the tensor manager exports them, as the one-process engine returns
+        them: copies under a budget or on a GPU, else the live tensors, which the caller saves
+        at once (a clone of every op cost a data-parallel run's final checkpoint 35-170 ms on
+        the transformer w256, against 2 ms)."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for op_id in sorted(self.owners):
             owner = self.owners[op_id]
             if owner == self.rank:
                 state = self.tensors.export(op_id, release=False)
                 if self.rank == 0:
-                    out[op_id] = {k: v.detach().cpu().clone() for k, v in state.items()}
+                    out[op_id] = {k: v.detach().cpu() for k, v in state.items()}
                 else:
                     self.transport.send_state(op_id, state, 0)
             elif self.rank == 0:
