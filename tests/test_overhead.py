@@ -145,3 +145,38 @@ def test_window_auto_is_accepted_and_never_cross_with_exact_shared_ops() -> None
     assert PipelineSettings(window="auto", shared_ops="delayed").cross
     with pytest.raises(ValueError, match=r"pipeline\.window: expected an integer >= 1"):
         PipelineSettings(window="wide")
+
+
+def test_the_sample_of_subnets_is_scaled_to_the_space() -> None:
+    """The few subnets priced stand for the space: a sample heavier than the space's mean is
+    scaled down, a lighter one up, and every option alike (the pick does not move)."""
+    import random
+
+    from pipeline.layout import _sample_factor
+
+    table = analytic_costs(GRAPH, (1, 8, 8), 16)
+    space = GRAPH.space()
+    archs = [space.random(random.Random(k)) for k in range(64)]
+
+    def compute(arch) -> float:
+        return sum(table.ops[op.op_id].fwd + table.ops[op.op_id].bwd for op in GRAPH.active_ops(arch))
+
+    heavy, light = max(archs, key=compute), min(archs, key=compute)
+    assert compute(heavy) > compute(light)
+    assert _sample_factor(GRAPH, table, [heavy], random.Random(0)) < 1 < _sample_factor(GRAPH, table, [light],
+                                                                                         random.Random(0))
+    assert _sample_factor(GRAPH, table, [heavy, light], random.Random(0)) == pytest.approx(
+        _sample_factor(GRAPH, table, [light, heavy], random.Random(0)))
+    costs = RuntimeCosts(latency_s=1e-4, bandwidth=1e9)
+    opts = price_layouts(GRAPH, table, costs, 2, 4, 64, PipelineSettings(stages="auto"))
+    ratio = opts[0].step_s / opts[1].step_s
+    import pipeline.layout as layout
+
+    real = layout._sample_factor
+    try:  # the same options unscaled: the same ratios between them
+        layout._sample_factor = lambda *a: 1.0
+        raw = price_layouts(GRAPH, table, costs, 2, 4, 64, PipelineSettings(stages="auto"))
+    finally:
+        layout._sample_factor = real
+    assert raw[0].step_s / raw[1].step_s == pytest.approx(ratio)
+    assert opts[0].samples_per_s * opts[0].step_s == pytest.approx(raw[0].samples_per_s * raw[0].step_s)
