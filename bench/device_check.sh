@@ -9,23 +9,7 @@
 #
 #   bash bench/device_check.sh            # on the GPU machine, from the repository root
 #
-# A machine with no package index: put the wheels of what its Python lacks (hydra-core, omegaconf,
-# antlr4-python3-runtime) in .whl/ and carry it; they are installed into /tmp/site.
-set -u
-out="${OUT:-bench/out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import torch, networkx, hydra" 2>/dev/null; then
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-  else
-    python3 -m pip install -q -e '.[test]'
-  fi
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } \
-  2>&1 | tee "$out/device.txt"
+source "$(dirname "$0")/device_env.sh"  # Python ready, $out, the device named
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_sync.py tests/test_memory.py tests/test_readme.py \
   -k "cuda" 2>&1 | tee "$out/cuda_tests.log" | tail -15
 timeout 150 python3 bench/cuda_bits.py 2>&1 | tee "$out/cuda_bits.jsonl"

@@ -7,17 +7,7 @@
 # (bench/deterministic_profile.py).
 #
 #   bash bench/device_check2.sh            # on the GPU machine, from the repository root
-set -u
-out="${OUT:-bench/out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import torch, networkx, hydra" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } \
-  2>&1 | tee "$out/device.txt"
+source "$(dirname "$0")/device_env.sh"  # Python ready, $out, the device named
 timeout 60 python3 bench/optim_step.py --device cuda 2>&1 | tee "$out/optim_step.jsonl"
 timeout 30 python3 bench/optim_step.py --device cpu --repeats 20 2>&1 | tee -a "$out/optim_step.jsonl"
 timeout 100 python3 bench/split_backward.py --device cuda --batch 128 2>&1 | tee "$out/split_backward.jsonl"

@@ -9,17 +9,7 @@
 #   processes do not share two cores with their helper threads.
 #
 #   bash bench/device_check3.sh            # on the GPU machine, from the repository root
-set -u
-out="${OUT:-bench/out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import torch, networkx, hydra" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; nproc; } \
-  2>&1 | tee "$out/device.txt"
+source "$(dirname "$0")/device_env.sh"  # Python ready, $out, the device named
 timeout 170 python3 bench/cuda_compose.py --device cuda --jobs 8 2>&1 | tee "$out/cuda_compose.jsonl" | cut -c1-160
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_sync.py tests/test_memory.py tests/test_readme.py \
   -k "cuda" 2>&1 | tee "$out/cuda_tests.log" | tail -6
