@@ -53,8 +53,8 @@ class Layout:
 
     @staticmethod
     def of(t: torch.Tensor) -> Layout | None:
-        """``t``'s layout; None where a contiguous tensor has it already, or where elements
-        overlap (no fresh tensor can have that layout: such a tensor stays where it is)."""
+        """``t``'s layout; None where a fresh contiguous tensor has it already (contiguous, at
+        the alignment). Tensors whose elements overlap are not asked (:meth:`movable`: they stay)."""
         offset = t.data_ptr() % _ALIGN // t.element_size()
         if t.is_contiguous() and offset == 0:
             return None
