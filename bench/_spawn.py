@@ -70,6 +70,12 @@ def progress(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
+def python_path(tree: Path = ROOT) -> str:
+    """``PYTHONPATH`` for a child run of ``tree``: the tree first, then what the caller's path
+    holds (packages carried beside a machine's own, as on the GPU machines)."""
+    return os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+
+
 def spawn(world: int, target: str, spec: dict, timeout_s: float = 600.0) -> Any:
     """Run ``target`` (``"module:function"``) in ``world`` gloo ranks; rank 0's result."""
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-bench-"))
@@ -78,7 +84,7 @@ def spawn(world: int, target: str, spec: dict, timeout_s: float = 600.0) -> Any:
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   PYTHONPATH=python_path(),
                    OMP_NUM_THREADS=str(spec.get("threads", 1)),
                    # OpenMP threads that spin while they wait make a 2-thread run several times
                    # slower than 1 thread on a machine shared with other jobs: let them sleep

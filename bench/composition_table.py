@@ -27,9 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._spawn import python_path  # noqa: E402
+
 PY = sys.executable
 LAYOUTS = {"P=2": (2, None), "P=3": (3, None), "(2,2)": (4, 2)}
 MODES = ("exact", "delayed", "frozen")
@@ -41,9 +46,7 @@ def base_args(space: str, steps: int) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    # this tree first; what the caller's path holds after it (packages carried beside the image's)
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
 
 
 def digest_of(run_dir: Path) -> str | None:

@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _spawn import emit, progress  # noqa: E402
+from _spawn import emit, progress, python_path  # noqa: E402
 from search_scaling import two_processes_speedup  # noqa: E402
 
 COMMON = ["search=none", "train.checkpoint_every=0", "train.monitor_every=0", "threads=1", "train.tensorboard=false"]
@@ -65,8 +65,7 @@ HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "window4_zbh
 
 def _env(tree: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT")}
-    # the tree first; what the caller's path holds after it (packages carried beside the image's)
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")])))
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=python_path(tree))
 
 
 def _overrides(tree: Path, name: str) -> list[str]:
