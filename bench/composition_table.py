@@ -77,11 +77,13 @@ def op_state_bytes(space: str) -> int:
     return tm.footprint(slot.op_id for slot in graph.slots())
 
 
-def least_budget(space: str, world: int, stages: int | None, steps: int, tmp: Path) -> int:
-    """The least device budget the pre-check accepts for this layout (from its one-line error)."""
+def least_budget(space: str, world: int, stages: int | None, steps: int, tmp: Path, extra: Sequence[str] = ()) -> int:
+    """The least device budget the pre-check accepts for this layout (from its one-line error);
+    ``extra``: more overrides (the run directory is named by them: calls may run at once)."""
     layout = [f"pipeline.stages={stages}"] if stages else []
-    p = subprocess.run([PY, "-m", "search", *base_args(space, steps), *layout, "memory.device_budget_bytes=1",
-                        f"hydra.run.dir={tmp / 'precheck'}"], cwd=ROOT, capture_output=True, text=True,
+    name = re.sub(r"[^A-Za-z0-9]+", "_", "-".join(["precheck", *extra]))
+    p = subprocess.run([PY, "-m", "search", *base_args(space, steps), *layout, *extra, "memory.device_budget_bytes=1",
+                        f"hydra.run.dir={tmp / name}"], cwd=ROOT, capture_output=True, text=True,
                        env={**env(), "RANK": "0", "WORLD_SIZE": str(world)}, timeout=300)
     found = re.search(r"at least (\d+)", p.stderr)
     if found is None:

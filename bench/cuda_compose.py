@@ -21,39 +21,19 @@ import argparse
 import itertools
 import json
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.composition_table import PY, base_args, digest_of, env, op_state_bytes  # noqa: E402
+from bench.composition_table import PY, base_args, digest_of, least_budget, op_state_bytes, run  # noqa: E402
 
 MODES = ("exact", "delayed", "frozen")
 VARIANTS = (("memory.optimizer=device",), ("memory.optimizer=host",), ("memory.activations=swap",),
             ("memory.activations=recompute",), ("memory.policy=lru",))
-
-
-def _run(args: list[str], run_dir: Path) -> tuple[int, float, str]:
-    t0 = time.perf_counter()
-    p = subprocess.run([PY, "-m", "search", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=600)
-    tail = (p.stderr.strip().splitlines() or [""])[-1]
-    return p.returncode, time.perf_counter() - t0, tail
-
-
-def _least(space: str, variant: tuple[str, ...], common: list[str], tmp: Path) -> int:
-    """The least budget the one-process pre-check accepts (from its one-line error), else 0."""
-    name = re.sub(r"[^A-Za-z0-9]+", "_", f"least-{space}-{'-'.join(variant)}")
-    p = subprocess.run([PY, "-m", "search", *base_args(space, 2), *common, *variant, "memory.device_budget_bytes=1",
-                        f"hydra.run.dir={tmp / name}"], cwd=ROOT, env=env(), capture_output=True,
-                       text=True, timeout=300)
-    found = re.search(r"at least (\d+)", p.stderr)
-    return int(found.group(1)) if found else 0
 
 
 def main() -> None:
@@ -71,7 +51,8 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         whole = {sp: op_state_bytes(sp) for sp in args.spaces}
         keys = list(itertools.product(args.spaces, ((), *variants)))
-        leasts = dict(zip(keys, pool.map(lambda k: _least(*k, common, tmp), keys)))
+        leasts = dict(zip(keys, pool.map(lambda k: least_budget(k[0], 1, None, args.steps, tmp, [*common, *k[1]]),
+                                         keys)))
         budget = {k: max(least, int(0.45 * whole[k[0]])) for k, least in leasts.items()}
         cells = [(sp, w, m, ()) for sp, w, m in itertools.product(args.spaces, (1, 4), MODES)
                  if args.variants is None]
@@ -81,8 +62,8 @@ def main() -> None:
             sp, w, m, variant = cell
             extra = [f"memory.device_budget_bytes={budget[sp, variant]}", *variant] if budgeted else []
             name = re.sub(r"[^A-Za-z0-9]+", "_", f"{sp}-{w}-{m}-{'-'.join(variant)}-{int(budgeted)}")
-            code, secs, tail = _run([*base_args(sp, args.steps), *common, f"pipeline.window={w}",
-                                     f"pipeline.shared_ops={m}", *extra], tmp / name)
+            code, secs, tail = run([PY, "-m", "search", *base_args(sp, args.steps), *common, f"pipeline.window={w}",
+                                    f"pipeline.shared_ops={m}", *extra], tmp / name)
             return (digest_of(tmp / name) if code == 0 else None), secs, tail, code
 
         refs = {(sp, w, m): pool.submit(one, (sp, w, m, ()), False) for sp, w, m in {c[:3] for c in cells}}
