@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench.optim_step import KernelAdamW  # noqa: E402
 from distributed import arch_stream, build_graph, step_data  # noqa: E402
 from pipeline import LrSchedule, MemorySettings, OptimConfig, ReferenceEngine, params_digest  # noqa: E402
 from pipeline.determinism import use_deterministic_kernels  # noqa: E402
@@ -82,9 +83,7 @@ def update_bits(optim: str, portable: bool = False, kernel: str | None = None) -
     for dev in ("cpu", "cuda"):
         p = torch.nn.Parameter(p0.clone().to(dev))
         c = dataclasses.replace(OPTIMS[optim], portable=portable)
-        opt = (c.build([p]) if kernel is None else
-               torch.optim.AdamW([p], lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=c.weight_decay,
-                                 **{kernel: True}))
+        opt = (c if kernel is None else KernelAdamW(**dataclasses.asdict(c), kernel=kernel)).build([p])
         for gr in grads:
             p.grad = gr.to(dev)
             opt.step()

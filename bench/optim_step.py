@@ -45,7 +45,7 @@ def main() -> None:
     runs = {}
     for kind in kinds:
         cfg = (OptimConfig(name="adamw", lr=1e-3, weight_decay=0.01, portable=kind == "portable")
-               if kind in ("torch", "portable") else _Kernel(name="adamw", lr=1e-3, weight_decay=0.01, kernel=kind))
+               if kind in ("torch", "portable") else KernelAdamW(name="adamw", lr=1e-3, weight_decay=0.01, kernel=kind))
         torch.manual_seed(1)
         mods = {op.op_id: build_op(op.spec, op.op_id, 0).to(args.device) for op in active}
         mods = {k: m for k, m in mods.items() if any(True for _ in m.parameters())}
@@ -85,14 +85,14 @@ def main() -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Kernel(OptimConfig):
-    """torch's AdamW with another kernel than the app builds on this device (``kernel``: fused or foreach)."""
+class KernelAdamW(OptimConfig):
+    """torch's AdamW with another kernel than the app builds on this device (``kernel``: fused or
+    foreach); ``bench/cuda_bits.py`` compares its bits too."""
     kernel: str = "fused"
 
     def build(self, params):  # type: ignore[override]
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                 weight_decay=self.weight_decay,
-                                 **({"fused": True} if self.kernel == "fused" else {"foreach": True}))
+                                 weight_decay=self.weight_decay, **{self.kernel: True})
 
 
 if __name__ == "__main__":
