@@ -76,12 +76,14 @@ class Layout:
             self.size, self.stride, self.offset)
 
 
-def _restore(t: torch.Tensor, layout: Layout | None) -> torch.Tensor:
-    """``t``'s values in ``layout`` (``t`` itself where it is None)."""
+def _restore(t: torch.Tensor, layout: Layout | None, device: torch.device) -> torch.Tensor:
+    """``t``'s values on ``device`` in ``layout`` (None: contiguous, ``t`` itself if it is there);
+    from the host to a GPU asynchronously, on the current stream."""
+    non_blocking = device.type == "cuda" and t.device.type == "cpu"
     if layout is None:
-        return t
-    out = layout.empty(t.dtype, t.device)
-    out.copy_(t)
+        return t.to(device, non_blocking=non_blocking)
+    out = layout.empty(t.dtype, device)
+    out.copy_(t, non_blocking=non_blocking)
     return out
 
 
@@ -161,13 +163,10 @@ def _unpack(packed):
     if isinstance(packed, torch.Tensor):
         return packed
     if isinstance(packed, _Away):
-        return _restore(packed.peer.get(packed.handle), packed.layout)
+        back = packed.peer.get(packed.handle)
+        return _restore(back, packed.layout, back.device)
     device, host, layout = packed
-    if layout is None:
-        return host.to(device, non_blocking=device.type == "cuda")
-    out = layout.empty(host.dtype, device)
-    out.copy_(host, non_blocking=device.type == "cuda")
-    return out
+    return _restore(host, layout, device)
 
 
 def run_with_policy(module: nn.Module, args: list[torch.Tensor], ctx: OpContext,

@@ -62,7 +62,7 @@ def test_overlapping_and_weight_views_stay() -> None:
     assert not Layout.movable(expanded) and Layout.movable(torch.randn(3, 4).t())
     assert policy._pack(expanded) is expanded
     w = torch.nn.Parameter(torch.randn(32, 16))
-    assert policy._pack(w) is w and policy._pack(w.t()) is not None and policy.swapped_bytes == 0
+    assert policy._pack(w) is w
     assert policy._pack(w.t())._base is w  # the view itself stays, not a copy
     assert policy.swapped_bytes == 0
 
@@ -91,9 +91,7 @@ def test_only_activations_are_swapped_and_the_gradients_are_the_same() -> None:
     keep, _ = _grads(None, "cpu")
     got, policy = _grads("swap", "cpu")
     assert all(torch.equal(a, b) for a, b in zip(got, keep))
-    weights = sum(p.numel() * 4 for p in _Linear().parameters())
-    assert 0 < policy.swapped_bytes < 4 * 16 * (32 + 64 * 4) + weights  # activations, no weight copy
-    assert policy.swapped_bytes < 4 * 16 * (32 + 64 * 4)
+    assert 0 < policy.swapped_bytes < 4 * 16 * (32 + 64 * 4)  # activations (at most these), no weight copy
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -102,12 +100,12 @@ def test_swap_on_cuda_gives_keeps_bits_on_the_transformer() -> None:
     swap must give keep's gradients bit for bit on a real transformer subnet."""
     import random
 
-    from bench.split_backward import _graph
+    from distributed import build_graph
     from supernet import build_op
     from supernet.execute import SliceRun, whole_slice
     from supernet.ops import op_contexts
 
-    graph, shape = _graph(["space=transformer"])
+    graph, shape = build_graph("transformer"), (1, 8, 8)
     arch = graph.space().random(random.Random(0))
     out = []
     for choice in (None, "swap"):
