@@ -30,7 +30,9 @@ moves after the update before):
   late), ``frozen`` (NASPipe's choice: never updated). ``window`` and ``delay`` per row: the
   smallest of a grid that meets the row's target utilisation (0.90 / 0.85 at P = 4 / 8 with
   M = 1, 0.95 with M = 4), else the best of the grid, which stops where utilisation stops
-  growing (``choice`` says which; ``grid`` lists what was tried).
+  growing (``choice`` says which; ``grid`` lists what was tried). ``--shared-delays head=1``
+  gives a shared op its own delay in the main delayed rows (``pipeline.shared_delays``; the row
+  names them in ``shared_delays``): what reading the head sooner costs the schedule.
 * ``naspipe_rule`` rows (uniform sampler): NASPipe's rule, frozen shared ops and a window of 30
   (each stage runs the first non-conflicting subnet of the 30).
 * ``cross_subnet_options`` rows (fair/delayed): what two knobs buy, each row with its own
@@ -84,7 +86,7 @@ from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
 from pipeline.plan.simulate import simulate  # noqa: E402
 from pipeline.settings import SHARED_MODES  # noqa: E402
-from pipeline.shared import shared_ops_of, stateful_ops  # noqa: E402
+from pipeline.shared import read_late, shared_ops_of, stateful_ops  # noqa: E402
 from search.samplers import make_sampler  # noqa: E402
 from supernet import SupernetGraph  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
@@ -208,14 +210,16 @@ def _flush_1f1b(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int]) -
 
 def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: int, shared: frozenset[str],
             origin: Mapping[str, int], state_time: Mapping[str, float], cap: int | None = 1,
-            split: bool = False) -> dict:
+            split: bool = False, delays: Mapping[str, int] | None = None) -> dict:
     """Utilisation and makespan of the cross-subnet schedule of ``work``; ``cap``: the in-flight
     cap per stage in multiples of 1F1B's ``P - s`` (None: the builder's default, 1F1B's, or with
-    the split ``P`` on every stage); ``split``: every backward split into B and W."""
+    the split ``P`` on every stage); ``split``: every backward split into B and W; ``delays``: a
+    shared op's own delay (``pipeline.shared_delays``)."""
     P = len(work[0].uses)
+    late, own = read_late(mode, shared, delay, delays or {})
     kw = dict(origin=origin, state_time=state_time, cap=None if cap is None else [cap * (P - s) for s in range(P)],
               frozen=shared if mode == "frozen" else frozenset(),
-              delayed=shared if mode == "delayed" else frozenset(), delay=delay if mode == "delayed" else 0)
+              delayed=late, delay=delay if mode == "delayed" else 0, delays=own)
     sched = cross_subnet(work, M, window, split=split, **kw)
     r = simulate(sched, work=work, state_time=state_time)
     return {"utilisation": sum(r.busy) / (P * r.step_time), "makespan_s": r.step_time,
@@ -240,14 +244,15 @@ def grid(P: int, M: int, mode: str, subnets: int) -> list[tuple[int, int]]:
     return [(w, 0) for w in (2, 4, 8, 16, NASPIPE_WINDOW) if w <= subnets]
 
 
-def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1, split: bool = False) -> dict:
+def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1, split: bool = False,
+           delays: Mapping[str, int] | None = None) -> dict:
     """The smallest (window, delay) of :func:`grid` meeting the row's target, else the best
     (the grid is cut short where utilisation stops growing: twice no gain of 0.002, once for
     exact shared ops, which flush at their stages whatever the window)."""
     P = len(work[0].uses)
     goal, tried, best, flat = target(P, M), [], None, 0
     for window, delay in grid(P, M, mode, len(work)):
-        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split)
+        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split, delays)
         tried.append({"window": window, "delay": delay, "utilisation": round(f["utilisation"], 4)})
         if f["utilisation"] >= goal:
             return {"window": window, "delay": delay, **f, "choice": "smallest meeting the target", "grid": tried}
@@ -293,7 +298,7 @@ def split_row(P: int, M: int, sampler: str, stream: tuple, shared: frozenset[str
 
 def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, seed: int,
                    modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True,
-                   bw_split: bool = True) -> list[dict]:
+                   bw_split: bool = True, delays: Mapping[str, int] | None = None) -> list[dict]:
     """Every simulated row of one (P, M, sampler): one per shared-op mode (the runtime's planner
     tolerance ``eps``, 1F1B's in-flight cap); NASPipe's rule (uniform); for fair/delayed, the
     options (``cross_subnet_options``: the best balance, eps = 0, and twice 1F1B's cap, i.e.
@@ -307,8 +312,10 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     out = []
     picked_delayed = None
     for mode in modes:
-        picked = choose(work, M, mode, shared, origin, state_time)
+        picked = choose(work, M, mode, shared, origin, state_time, delays=delays)
         out.append(row(P, M, sampler, mode, picked, flush, subnets, seed, eps=eps))
+        if mode == "delayed" and delays:
+            out[-1]["shared_delays"] = dict(delays)
         if mode == "delayed":
             picked_delayed = picked
     if sampler == "uniform":
@@ -382,6 +389,8 @@ def main() -> None:
     ap.add_argument("--no-options", action="store_true", help="skip the eps = 0 / 2x cap / per-window rows")
     ap.add_argument("--no-bw-split", action="store_true", help="skip the bw_split rows (fair, delayed: each "
                     "setting with every backward split into B and W, beside it without)")
+    ap.add_argument("--shared-delays", nargs="*", default=[], metavar="OP=D",
+                    help="a shared op's own delay in the delayed rows (pipeline.shared_delays), e.g. head=1")
     args, rest = ap.parse_known_args()
     if args.mode == "real":
         from cross_subnet_real import main as real
@@ -390,6 +399,7 @@ def main() -> None:
         return
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    delays = {op: int(d) for op, _, d in (kv.partition("=") for kv in args.shared_delays)}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     space = build_space()
@@ -401,7 +411,7 @@ def main() -> None:
             for sampler in args.samplers:
                 t0 = time.perf_counter()
                 got = simulated_rows(space, P, M, sampler, args.subnets, args.seed, args.shared_ops, args.eps,
-                                     not args.no_options, not args.no_bw_split)
+                                     not args.no_options, not args.no_bw_split, delays)
                 for r in got:
                     r["loadavg"] = os.getloadavg()[0]
                 rows += got

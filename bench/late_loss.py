@@ -6,7 +6,9 @@ them, ``train/default.yaml`` otherwise):
 
 * ``exact``: shared ops read exactly (sequential training);
 * ``delayed1``: ``pipeline.shared_ops=delayed pipeline.shared_delay=1 pipeline.window=4``;
-* ``delayed4``: the same with ``pipeline.shared_delay=4``.
+* ``delayed4``: the same with ``pipeline.shared_delay=4``;
+* ``delayed4-head1`` (not run by default): ``delayed4`` with the head read one update late
+  (``pipeline.shared_delays={head:1}``).
 
 ``--compensations RULE[:COEF] ...`` adds, for each delayed mode, a run with
 ``pipeline.delay_compensation=RULE`` (and ``pipeline.delay_compensation_coef=COEF``): mode
@@ -19,12 +21,20 @@ unlike a 200-step run's). A run that stops on a non-finite loss (exit status 1, 
 has ``late_loss`` null and its error line in ``stopped``. ``ratio`` is a delayed run's late loss over
 exact's at the same space and steps.
 
+A delayed run's training loss is that of the forward it trained, which read its shared ops
+stale (or extrapolated); it is not the loss of the weights it leaves. ``--live K`` (default 24,
+0: off) also scores the final supernet: ``search=random`` with one generation of K archs, which
+the top-level seed makes the same K in every mode, each with its batch norm recalibrated on
+training batches, on the validation split (the search's scoring). ``live_val_loss`` and
+``live_val_acc`` are the means over the K archs; ``live_ratio`` is a delayed run's
+``live_val_loss`` over exact's.
+
 Spaces and sizes: ``conv``, ``cell`` and ``resmlp`` at their defaults, ``transformer`` at width 256
 and 8 layers (the size the issue measured). Runs go one at a time with one thread each.
 
     python bench/late_loss.py [--spaces conv cell transformer resmlp] [--steps 200 600]
                               [--modes exact delayed1 delayed4] [--compensations predict dc:64]
-                              [--seed 0] [--tag before] [-- extra overrides]
+                              [--seed 0] [--live 24] [--tag before] [-- extra overrides]
 
 Prints one JSON line per run as it finishes, and writes them all to
 ``bench/out/late_loss[-<tag>].jsonl`` at the end.
@@ -57,9 +67,17 @@ MODES = {
     "exact": ["pipeline.shared_ops=exact"],
     "delayed1": ["pipeline.shared_ops=delayed", "pipeline.shared_delay=1", "pipeline.window=4"],
     "delayed4": ["pipeline.shared_ops=delayed", "pipeline.shared_delay=4", "pipeline.window=4"],
+    # the head (every space's last op, on the last stage) one update late, the other shared ops four
+    "delayed4-head1": ["pipeline.shared_ops=delayed", "pipeline.shared_delay=4", "pipeline.window=4",
+                       "pipeline.shared_delays={head:1}"],
 }
 # what every run shares: train only, FairNAS sampling, nothing recorded beyond the step metrics
-COMMON = ["sampler=fair", "search=none", "train.monitor_every=0", "train.tensorboard=false"]
+COMMON = ["sampler=fair", "train.monitor_every=0", "train.tensorboard=false"]
+
+
+def scoring(live: int) -> list[str]:
+    """The search part of every run: none, or one generation of ``live`` random archs."""
+    return ["search=random", f"search.population={live}", "search.generations=1"] if live else ["search=none"]
 
 
 def mean(xs: list[float]) -> float | None:
@@ -78,10 +96,10 @@ def mode_overrides(mode: str) -> list[str]:
     return out
 
 
-def one_run(space: str, mode: str, steps: int, extra: list[str]) -> dict:
+def one_run(space: str, mode: str, steps: int, extra: list[str], live: int = 0) -> dict:
     """One ``python -m search`` run in a fresh directory; its figures as a JSON-able dict."""
     d = Path(tempfile.mkdtemp(prefix=f"pipenas-late-{space}-{mode.replace(':', '_')}-"))
-    overrides = [*SPACES[space], *mode_overrides(mode), *COMMON, f"train.steps={steps}", *extra]
+    overrides = [*SPACES[space], *mode_overrides(mode), *COMMON, *scoring(live), f"train.steps={steps}", *extra]
     cmd = [sys.executable, "-m", "search", *overrides, f"output_dir={d}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -102,20 +120,40 @@ def one_run(space: str, mode: str, steps: int, extra: list[str]) -> dict:
         if proc.returncode else None,
         "wall_s": round(wall, 1),
         "overrides": " ".join(overrides),
+        **live_scores(d / "search-random.jsonl", live if proc.returncode == 0 else 0),
     }
     shutil.rmtree(d, ignore_errors=True)
     return row
+
+
+def ratio(row: dict, exact: dict, key: str) -> float | None:
+    """A delayed run's ``key`` over exact's (same space and steps), where both have one."""
+    if row is exact or not exact.get(key) or row.get(key) is None:
+        return None
+    return row[key] / exact[key]
+
+
+def live_scores(path: Path, live: int) -> dict:
+    """The final supernet's mean validation loss and accuracy over the run's ``live`` scored
+    archs (``search-random.jsonl``); nothing when not asked for or not all scored."""
+    if not live:
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if len(rows) != live or any(r["val_loss"] is None for r in rows):
+        return {"live_val_loss": None, "live_val_acc": None}
+    return {"live_val_loss": mean([r["val_loss"] for r in rows]), "live_val_acc": mean([r["val_accuracy"] for r in rows])}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spaces", nargs="+", default=list(SPACES), choices=list(SPACES))
     ap.add_argument("--steps", nargs="+", type=int, default=[200, 600])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=["exact", "delayed1", "delayed4"], choices=list(MODES))
     ap.add_argument("--compensations", nargs="*", default=[],
                     help="RULE[:COEF]: each delayed mode again with pipeline.delay_compensation=RULE")
     ap.add_argument("--seed", type=int, default=None, help="seed=... for every run (default: the config's)")
     ap.add_argument("--tag", default="", help="suffix of the output file (bench/out/late_loss-<tag>.jsonl)")
+    ap.add_argument("--live", type=int, default=24, help="archs the final supernet is scored on (0: none)")
     ap.add_argument("extra", nargs="*", help="more overrides for every run (after --)")
     args = ap.parse_args()
 
@@ -124,13 +162,14 @@ def main() -> None:
     rows: list[dict] = []
     for space in args.spaces:
         for steps in args.steps:
-            exact = None
+            exact: dict = {}
             for mode in modes:
-                row = one_run(space, mode, steps, extra)
+                row = one_run(space, mode, steps, extra, args.live)
                 if mode == "exact":
-                    exact = row["late_loss"]
-                row["ratio"] = (row["late_loss"] / exact if mode != "exact" and exact and row["late_loss"] is not None
-                                else None)
+                    exact = row
+                row["ratio"] = ratio(row, exact, "late_loss")
+                if args.live:
+                    row["live_ratio"] = ratio(row, exact, "live_val_loss")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
         return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps,
                                shared_ops=settings.shared_ops, shared_delay=settings.shared_delay,
                                checkpoint_every=checkpoint_every, clip_grad_norm=clip_grad_norm,
-                               delay_compensation=compensation)
+                               delay_compensation=compensation, shared_delays=settings.shared_delays)
     from .runtime import PipelineEngine
 
     return PipelineEngine(graph, seed, optim, microbatches, lr, settings, env, dev, failure_dir=failure_dir,

@@ -150,7 +150,7 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
     from .plan.mesh import layout_options, meshes
     from .plan.overhead import subnet_work
     from .plan.partition import solve
-    from .shared import shared_ops_of, stateful_ops
+    from .shared import read_late, shared_ops_of, stateful_ops
     from supernet.execute import cut
 
     space = graph.space()
@@ -180,9 +180,9 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
                                    self_describing=cross))
         works[(s, r)] = row
     frozen = shared if settings.shared_ops == "frozen" else frozenset()
-    delayed = shared if settings.shared_ops == "delayed" else frozenset()
+    delayed, delays = read_late(settings.shared_ops, shared, settings.shared_delay, settings.shared_delays)
     options = layout_options(works, microbatches, batch_size, windows, settings.schedule, frozen=frozen,
-                             delayed=delayed, delay=settings.shared_delay if delayed else 0)
+                             delayed=delayed, delay=settings.shared_delay if delayed else 0, delays=delays)
     # the few subnets simulated stand for the space: their mean compute against that of many
     # more (a sum per subnet, no schedule) corrects the sample's luck in every option alike
     factor = _sample_factor(graph, table, archs, random.Random(f"{seed}/layout-population"))

@@ -50,7 +50,8 @@ class ReferenceEngine:
                  lr: LrSchedule, device: torch.device | str = "cpu", memory: MemorySettings | None = None,
                  trace_steps: Iterable[int] = (), shared_ops: str = "exact", shared_delay: int = 1,
                  checkpoint_every: int = 0, clip_grad_norm: float | None = None,
-                 delay_compensation: tuple[str, float] = ("none", 1.0)) -> None:
+                 delay_compensation: tuple[str, float] = ("none", 1.0),
+                 shared_delays: Mapping[str, int] | None = None) -> None:
         self.graph = graph
         # train.clip_grad_norm: the subnet's ops are all here, in op order (no exchange)
         self._clip = GradClip(clip_grad_norm) if clip_grad_norm is not None else None
@@ -72,7 +73,7 @@ class ReferenceEngine:
         # ops in every subnet: exact, read late or frozen, as the pipelined engine runs them
         # (``delay_compensation``: pipeline.delay_compensation and its coefficient, for delayed ones)
         self.shared = SharedOps(shared_ops, shared_delay, shared_ops_of(graph), checkpoint_every, self.tensors.module,
-                                *delay_compensation)
+                                *delay_compensation, delays=shared_delays)
 
     @property
     def is_main(self) -> bool:

@@ -223,7 +223,8 @@ class PipelineEngine:
         # shared ops read exactly, late or frozen (several subnets in flight need one of the last two);
         # a delayed op's compensation (pipeline.delay_compensation) is the reference's rule
         self.shared = SharedOps(settings.shared_ops, settings.shared_delay, shared_ops_of(graph), checkpoint_every,
-                                self.tensors.module, settings.delay_compensation, settings.delay_compensation_coef)
+                                self.tensors.module, settings.delay_compensation, settings.delay_compensation_coef,
+                                delays=settings.shared_delays)
         self.migrator = Migrator(me, self.owners, self.tensors, self.transport, self.shared)
         # clipping waits for every stage's gradient norm at each update: flushed steps only (the
         # combination table, pipeline/combinations.py, refuses it with cross-subnet schedules)
@@ -309,7 +310,8 @@ class PipelineEngine:
             return validate(sequential(self.schedule, uses, origin=origin))
         return validate(cross_subnet(
             [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
-            delayed=self.shared.delayed & used, delay=self.settings.shared_delay, origin=origin,
+            delayed=self.shared.delayed & used, delay=self.settings.shared_delay, delays=self.shared.own_delays,
+            origin=origin,
             state_time=self.planner.move_seconds(), arena=self._arena_bound(),
             split=self.settings.split_backward))  # the B/W split, each W where its stage idles
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-__all__ = ["COMPENSATIONS", "PipelineSettings", "DistEnv", "check_compensation", "dist_env"]
+__all__ = ["COMPENSATIONS", "PipelineSettings", "DistEnv", "check_compensation", "check_delays", "dist_env"]
 
 SCHEDULES = ("gpipe", "1f1b", "zbh1")
 PLANNERS = ("dynamic", "equal", "static", "oracle")
@@ -46,6 +47,8 @@ class PipelineSettings:
     updates it misses), ``dc`` (DC-ASGD: the gradient plus coef x g*g*(live - read) as it reaches
     the live op) or ``step`` (a delayed op's update scaled by coef, in (0, 1]);
     :class:`pipeline.shared.SharedOps` runs it, in the reference and the pipeline alike.
+    ``shared_delays`` (delayed shared ops only): op id -> that op's own delay instead of
+    ``shared_delay`` (0: read exactly); which ops exist is checked against the space.
     """
 
     stages: int | str | None = None
@@ -64,6 +67,7 @@ class PipelineSettings:
     window: int | str = 1
     shared_ops: str = "exact"
     shared_delay: int = 1
+    shared_delays: Mapping[str, int] | None = field(default_factory=dict)
     reduce: str = "exact"
     delay_compensation: str = "predict"
     delay_compensation_coef: float = 1.0
@@ -118,6 +122,7 @@ class PipelineSettings:
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 also = " or 'auto'" if name == "window" else ""
                 raise ValueError(f"pipeline.{name}: expected an integer >= {lo}{also}, found {v!r}")
+        object.__setattr__(self, "shared_delays", check_delays(self.shared_delays))
         if self.shared_ops not in SHARED_MODES:
             raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
         check_compensation(self.delay_compensation, self.delay_compensation_coef)
@@ -125,6 +130,19 @@ class PipelineSettings:
             raise ValueError(f"pipeline.reduce: expected 'exact' or 'fast', found {self.reduce!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"pipeline.backend: expected 'auto', 'gloo' or 'nccl', found {self.backend!r}")
+
+
+def check_delays(delays: Mapping[str, int] | None) -> dict[str, int]:
+    """``pipeline.shared_delays`` as a plain dict (None: none; from YAML it may come as a config
+    node), or the error that names it: op ids to delays >= 0."""
+    if delays is None:
+        return {}
+    if not isinstance(delays, Mapping):
+        raise ValueError(f"pipeline.shared_delays: expected a mapping of op ids to delays, found {delays!r}")
+    for op, d in delays.items():
+        if not isinstance(op, str) or not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"pipeline.shared_delays: expected op ids to integers >= 0, found {op!r}: {d!r}")
+    return dict(delays)
 
 
 def check_compensation(rule: str, coef: float) -> None:

@@ -20,6 +20,9 @@ single-process reference and the pipeline, so both compute the same bits:
   the start); ``dc`` (DC-ASGD): the gradient reaching the live op is
   ``g + c * g * g * (w_live - w_read)``; ``step``: a delayed op's update is scaled by c. Buffers
   are never extrapolated. The ring then keeps D + 2 versions.
+  ``pipeline.shared_delays`` gives an op its own D instead (0: read exactly, as ``exact``
+  does): a shorter delay trains closer to sequential training, but a later subnet may then
+  overtake fewer earlier ones where that op sits (the schedule's wait rule reads the same delays).
 * ``frozen`` (NASPipe's choice): never updated. Each subnet runs a private copy whose
   parameters get no gradient and whose buffer updates are dropped, so no two subnets in flight
   touch the op's state and the order they run in cannot matter.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import copy
 from functools import lru_cache
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -39,9 +42,9 @@ from torch import nn
 
 from supernet import SupernetGraph, build_op
 
-from .settings import SHARED_MODES, check_compensation
+from .settings import SHARED_MODES, check_compensation, check_delays
 
-__all__ = ["SharedOps", "SHARED_MODES", "shared_ops_of", "stateful_ops"]
+__all__ = ["SharedOps", "SHARED_MODES", "read_late", "shared_ops_of", "stateful_ops"]
 
 VERSION = "version/"  # the prefix of a delayed op's kept versions in its moving state
 
@@ -66,15 +69,34 @@ def shared_ops_of(graph: SupernetGraph) -> frozenset[str]:
     return frozenset(s.op_id for s in graph.slots() if s.op_id == s.node) & stateful_ops(graph)
 
 
+def read_late(mode: str, shared: frozenset[str], delay: int,
+              delays: Mapping[str, int]) -> tuple[frozenset[str], dict[str, int]]:
+    """The ops read late (every shared op in delayed mode but those given delay 0) and those
+    of them whose own delay is not ``delay`` (``pipeline.shared_delays``): what a schedule's wait
+    rule needs (:class:`~pipeline.plan.schedule.Schedule`'s ``delayed`` and ``delays``)."""
+    if mode != "delayed":
+        return frozenset(), {}
+    late = frozenset(op for op in shared if delays.get(op, delay) > 0)
+    return late, {op: d for op, d in sorted(delays.items()) if op in late and d != delay}
+
+
 class SharedOps:
     """Which module a subnet runs for each shared op, and what its update does (module doc)."""
 
     def __init__(self, mode: str, delay: int, shared: Iterable[str], checkpoint_every: int,
-                 module: Callable[[str], nn.Module], compensation: str = "none", coef: float = 1.0) -> None:
+                 module: Callable[[str], nn.Module], compensation: str = "none", coef: float = 1.0,
+                 delays: Mapping[str, int] | None = None) -> None:
         if mode not in SHARED_MODES:
             raise ValueError(f"pipeline.shared_ops: expected one of {list(SHARED_MODES)}, found {mode!r}")
         self.mode, self.delay, self.every = mode, delay, checkpoint_every
         self.shared = frozenset(shared)
+        delays = check_delays(delays or {})
+        unknown = sorted(set(delays) - self.shared)
+        if unknown:
+            raise ValueError(f"pipeline.shared_delays: expected shared ops of this space ({sorted(self.shared)}), "
+                             f"found {unknown}")
+        # per op, a delay other than ``delay`` (only where it matters: delayed mode)
+        self.delays = {op: d for op, d in delays.items() if d != delay} if mode == "delayed" else {}
         self._live = module
         self._versions: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # op -> step -> state after it
         self._private: dict[tuple[str, int], nn.Module] = {}  # (op, step) -> the module that subnet runs
@@ -95,7 +117,14 @@ class SharedOps:
 
     @property
     def delayed(self) -> frozenset[str]:
-        return self.shared if self.mode == "delayed" else frozenset()
+        return read_late(self.mode, self.shared, self.delay, self.delays)[0]
+
+    @property
+    def own_delays(self) -> dict[str, int]:
+        return read_late(self.mode, self.shared, self.delay, self.delays)[1]
+
+    def delay_of(self, op: str) -> int:
+        return self.delays.get(op, self.delay)
 
     @property
     def frozen(self) -> frozenset[str]:
@@ -104,10 +133,11 @@ class SharedOps:
     def floor(self, step: int) -> int:
         return (step // self.every) * self.every if self.every else 0
 
-    def reads(self, step: int) -> int:
-        """The step whose update produced the version of a delayed op that ``step`` reads
-        (``floor - 1``: the state at the checkpoint boundary)."""
-        return max(step - self.delay, self.floor(step)) - 1
+    def reads(self, step: int, op: str | None = None) -> int:
+        """The step whose update produced the version of a delayed op (``op``; None: one with the
+        run's delay) that ``step`` reads (``floor - 1``: the state at the checkpoint boundary)."""
+        d = self.delay if op is None else self.delay_of(op)
+        return max(step - d, self.floor(step)) - 1
 
     def begin(self, op: str, step: int) -> None:
         """Subnet ``step`` is about to run ``op`` (owned here): for a delayed op, make its
@@ -123,7 +153,7 @@ class SharedOps:
             return
         live = self._live(op)
         versions = self._versions.setdefault(op, {})
-        k = self.reads(step)
+        k = self.reads(step, op)
         if k not in versions:
             if k != self.floor(step) - 1:
                 raise RuntimeError(f"shared op {op!r}: subnet of step {step} reads the version after step {k}, "
@@ -201,7 +231,7 @@ class SharedOps:
             return
         versions = self._versions.setdefault(op, {})
         versions[step] = _snapshot(self._live(op))
-        oldest = step - self.delay - (2 if self._predict else 1)  # ``predict`` reads one more
+        oldest = step - self.delay_of(op) - (2 if self._predict else 1)  # ``predict`` reads one more
         for k in [k for k in versions if k < oldest]:
             del versions[k]
 

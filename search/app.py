@@ -258,6 +258,7 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
         # how subnets were trained together: in flight at once, and how ops in every subnet were read
         "pipeline": {"window": _window(engine, rc), "shared_ops": rc.pipeline.shared_ops,
                      "shared_delay": rc.pipeline.shared_delay if rc.pipeline.shared_ops == "delayed" else None,
+                     "shared_delays": (dict(rc.pipeline.shared_delays or {}) if rc.pipeline.shared_ops == "delayed" else None),
                      "delay_compensation": ([rc.pipeline.delay_compensation, rc.pipeline.delay_compensation_coef]
                                             if rc.pipeline.shared_ops == "delayed" else None)},
         # stages x replicas and window run; with auto, the predicted samples/s of each alternative (pipeline/layout.py)

@@ -554,6 +554,9 @@ def train_fields(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
               "data": data.get("data"), "train": train}
     if mode != "exact":
         fields["shared_ops"] = {"mode": mode, **({"delay": pipe.get("shared_delay", 1)} if mode == "delayed" else {})}
+        delays = dict(pipe.get("shared_delays") or {})
+        if mode == "delayed" and delays:  # left out when none: older delayed runs keep their digest
+            fields["shared_ops"]["delays"] = dict(sorted(delays.items()))
         rule = pipe.get("delay_compensation", "none")
         if mode == "delayed" and rule != "none":  # left out when off: older delayed runs keep their digest
             fields["shared_ops"]["compensation"] = {"rule": rule, "coef": pipe.get("delay_compensation_coef", 1.0)}

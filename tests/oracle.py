@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -116,11 +116,13 @@ def _contiguous(g: torch.Tensor) -> torch.Tensor:
 
 def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, lr: Callable[[int], float],
           microbatches: int, mode: str = "exact", delay: int = 0, checkpoint_every: int = 0,
-          compensation: str = "none", coef: float = 1.0) -> OracleRun:
+          compensation: str = "none", coef: float = 1.0, delays: Mapping[str, int] | None = None) -> OracleRun:
     """Train ``items`` (step, arch, x, y; steps 0, 1, 2, ... in order) from the initial weights.
     ``optim``: the optimizer's settings (``name``, ``lr``, ``momentum``, ``weight_decay``,
     ``betas``, ``eps``, ``nesterov``); ``mode``: ``exact``, ``delayed`` (``delay`` >= 1) or
-    ``frozen``; ``compensation``: ``none``, ``predict``, ``dc`` or ``step`` (delayed only)."""
+    ``frozen``; ``compensation``: ``none``, ``predict``, ``dc`` or ``step`` (delayed only);
+    ``delays`` (delayed only): a shared op's own delay instead of ``delay`` (0: read exactly,
+    no compensation)."""
     if mode not in ("exact", "delayed", "frozen"):
         raise ValueError(f"oracle: mode {mode!r}")
     if compensation not in ("none", "predict", "dc", "step"):
@@ -130,6 +132,7 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
     coef = float(coef)
     if mode == "exact":
         delay = 0
+    own = dict(delays or {}) if mode == "delayed" else {}
     modules = {s.op_id: build_op(s.spec, s.op_id, seed) for s in graph.slots()}
     shared = shared_ops(graph, seed)
     opt = _optimizer(optim, [p for m in modules.values() for p in m.parameters()])
@@ -146,19 +149,20 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
 
         # which version of each shared op this step runs
         floor = (step // checkpoint_every) * checkpoint_every if checkpoint_every else 0
-        if mode == "frozen":
-            read = -1
-        else:
-            read = max(step - delay, floor) - 1
-        missed = step - 1 - read
-        predict = compensation == "predict" and missed > 0 and read - 1 >= floor - 1
-        run.reads.append(read)
+        def reads(op: str) -> int:
+            return -1 if mode == "frozen" else max(step - own.get(op, delay), floor) - 1
+
+        run.reads.append(-1 if mode == "frozen" else max(step - delay, floor) - 1)
         runs: dict[str, nn.Module] = {}
         for op in active:
             live = modules[op.op_id]
             if op.op_id not in shared:
                 runs[op.op_id] = live
                 continue
+            read = reads(op.op_id)
+            missed = step - 1 - read
+            predict = (compensation == "predict" and own.get(op.op_id, delay) > 0 and missed > 0
+                       and read - 1 >= floor - 1)
             view = copy.deepcopy(live)
             view.load_state_dict(after[read][op.op_id])
             if predict:  # the version read, moved on along its last update by the updates it misses
@@ -202,7 +206,7 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
                 grads = dict(view.named_parameters())
                 for name, p in live.named_parameters():
                     g = grads[name].grad
-                    if compensation == "dc" and g is not None:  # DC-ASGD, from the weights it read
+                    if compensation == "dc" and g is not None and own.get(op.op_id, delay) > 0:  # DC-ASGD
                         g = g.detach() + coef * (g * g * (p.detach() - grads[name].detach()))
                     p.grad = g
                 stats = dict(view.named_buffers())
@@ -213,7 +217,7 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
             for group in opt.param_groups:
                 group["lr"] = lr(step)
             stepped = {op: {n: p.detach().clone() for n, p in modules[op].named_parameters()}
-                       for op in shared} if compensation == "step" else {}
+                       for op in shared if own.get(op, delay) > 0} if compensation == "step" else {}
             opt.step()
             with torch.no_grad():
                 for op, before in stepped.items():  # the shared ops' step, scaled by c

@@ -35,9 +35,9 @@ def test_one_process_exact_window_is_sequential_and_delayed_is_recorded(one_proc
     assert one_process["exact"]["params_digest"] == one_process["flushed"]["params_digest"]
     assert one_process["delayed"]["params_digest"] != one_process["flushed"]["params_digest"]
     assert one_process["delayed"]["pipeline"] == {"window": 4, "shared_ops": "delayed", "shared_delay": 1,
-                                                  "delay_compensation": ["predict", 1.0]}
+                                                  "shared_delays": {}, "delay_compensation": ["predict", 1.0]}
     assert one_process["flushed"]["pipeline"] == {"window": 1, "shared_ops": "exact", "shared_delay": None,
-                                                  "delay_compensation": None}
+                                                  "shared_delays": None, "delay_compensation": None}
 
 
 def test_delayed_reads_change_the_train_digest() -> None:
@@ -54,6 +54,10 @@ def test_delayed_reads_change_the_train_digest() -> None:
                for rule, coef in (("predict", 1.0), ("predict", 0.5), ("none", 1.0), ("dc", 1.0))}
     assert len(digests) == 4 and train_digest(make_cfg(*DELAYED)) in digests
     assert train_digest(make_cfg("pipeline.delay_compensation=none")) == train_digest(make_cfg())
+    # an op's own delay too (pipeline.shared_delays); none given leaves older delayed digests as they were
+    own = {train_digest(make_cfg(*DELAYED, f"pipeline.shared_delays={d}")) for d in ("{head:0}", "{head:2}", "{}")}
+    assert len(own) == 3 and train_digest(make_cfg(*DELAYED)) in own
+    assert train_digest(make_cfg("pipeline.shared_delays={head:0}")) == train_digest(make_cfg())
 
 
 @pytest.mark.dist

@@ -29,8 +29,10 @@ from test_app import make_cfg
 
 def scenario(space: str, mode: str, delay: int = 1, every: int = 0, steps: int = 8, optimizer: str = "sgd",
              sampler: str = "random", window: int = 2, segment: int | None = None,
-             compensation: tuple[str, float] | None = None) -> Scenario:
+             compensation: tuple[str, float] | None = None, delays: dict[str, int] | None = None) -> Scenario:
     extra: dict = {"window": window, "shared_ops": mode, **({"shared_delay": delay} if mode == "delayed" else {})}
+    if delays is not None:
+        extra["shared_delays"] = delays
     if compensation is not None:
         extra.update(delay_compensation=compensation[0], delay_compensation_coef=compensation[1])
     if window > 1:
@@ -47,10 +49,10 @@ def compensation_of(sc: Scenario) -> tuple[str, float]:
 
 
 def oracle(sc: Scenario, mode: str | None = None, delay: int | None = None, every: int | None = None,
-           compensation: tuple[str, float] | None = None) -> OracleRun:
+           compensation: tuple[str, float] | None = None, delays: dict[str, int] | None = None) -> OracleRun:
     """The oracle on ``sc``'s subnets, data and hyper-parameters (tests/distributed.py
-    ``make_engine``); ``mode``, ``delay``, ``every`` and ``compensation`` override ``sc``'s (to
-    get it wrong)."""
+    ``make_engine``); ``mode``, ``delay``, ``every``, ``compensation`` and ``delays`` override
+    ``sc``'s (to get it wrong)."""
     rule, coef = compensation if compensation is not None else compensation_of(sc)
     graph = build_graph(sc.space)
     archs = arch_stream(graph, sc.seed, sc.steps, sc.sampler, sc.order)
@@ -59,7 +61,8 @@ def oracle(sc: Scenario, mode: str | None = None, delay: int | None = None, ever
     return train(graph, sc.seed, items, optim=optim, lr=cosine_lr(optim.lr, sc.steps, warmup_steps=1),
                  microbatches=sc.microbatches, mode=mode or sc.extra.get("shared_ops", "exact"),
                  delay=sc.extra.get("shared_delay", 0) if delay is None else delay,
-                 checkpoint_every=sc.checkpoint_every if every is None else every, compensation=rule, coef=coef)
+                 checkpoint_every=sc.checkpoint_every if every is None else every, compensation=rule, coef=coef,
+                 delays=sc.extra.get("shared_delays") if delays is None else delays)
 
 
 _ENGINE: dict[str, tuple[dict, dict]] = {}
@@ -152,6 +155,46 @@ def test_compensated_engine_is_the_oracle_bit_for_bit(sc: Scenario) -> None:
     # nor the same as predicting across the boundary: the oracle that forgets it differs
     if rule == "predict":
         assert oracle(sc, every=0).step_losses != res["losses"]
+
+
+OWN_DELAYS = [
+    scenario("conv", "delayed", delay=3, every=6, steps=10, delays={"head": 1}),  # predict, batch norm in the stem
+    scenario("conv", "delayed", delay=2, every=5, steps=10, sampler="fair", delays={"head": 0},
+             compensation=("step", 0.5)),  # the head read exactly: no scaled step there
+    scenario("transformer", "delayed", delay=2, every=4, steps=8, optimizer="adamw", delays={"stem": 3, "head": 1},
+             compensation=("dc", 2000.0)),
+]
+
+
+@pytest.mark.parametrize("sc", OWN_DELAYS, ids=lambda sc: f"{sc.space}-D{sc.extra['shared_delay']}-"
+                         + "-".join(f"{op}{d}" for op, d in sc.extra["shared_delays"].items()))
+def test_own_delays_engine_is_the_oracle_bit_for_bit(sc: Scenario) -> None:
+    """``pipeline.shared_delays``: each shared op read as late as its own delay says (0: exactly,
+    without compensation), the others ``shared_delay`` late."""
+    run_ = oracle(sc)
+    assert_matches(sc, run_, f"{sc.space} own delays {sc.extra['shared_delays']}")
+    res, _ = engine(sc)
+    # not vacuous: every op at the run's delay, or the ops' delays swapped, computes other bits
+    assert oracle(sc, delays={}).step_losses != res["losses"]
+    D = sc.extra["shared_delay"]
+    assert oracle(sc, delays={op: D + 1 - d for op, d in sc.extra["shared_delays"].items()}).step_losses != res["losses"]
+
+
+def test_own_delays_are_checked_against_the_space() -> None:
+    from pipeline.shared import SharedOps
+
+    with pytest.raises(ValueError, match=r"pipeline.shared_delays: expected shared ops of this space "
+                                         r"\(\['head', 'stem'\]\), found \['tail'\]"):
+        SharedOps("delayed", 2, ["stem", "head"], 0, lambda op: None, delays={"tail": 1})
+    with pytest.raises(ValueError, match=r"pipeline.shared_delays: expected op ids to integers >= 0, found 'head': -1"):
+        PipelineSettings(shared_delays={"head": -1})
+    with pytest.raises(ValueError, match=r"pipeline.shared_delays: expected a mapping of op ids to delays, found 3"):
+        PipelineSettings(shared_delays=3)
+    ops = SharedOps("delayed", 3, ["stem", "head", "mid"], 0, lambda op: None, delays={"head": 0, "mid": 1, "stem": 3})
+    assert ops.delayed == {"stem", "mid"} and ops.own_delays == {"mid": 1}
+    assert [ops.reads(9, op) for op in ("stem", "mid", "head")] == [5, 7, 8]
+    exact = SharedOps("exact", 3, ["stem", "head"], 0, lambda op: None, delays={"head": 1})
+    assert exact.delayed == frozenset() and exact.own_delays == {}
 
 
 def test_predict_reads_the_version_moved_on() -> None:
@@ -268,7 +311,10 @@ def test_pipelined_delayed_engine_is_the_oracle() -> None:
            scenario("transformer", "delayed", delay=1, every=3, steps=7, optimizer="adamw", window=3),
            # predict: the version before the one read travels with a migrating op too
            scenario("conv", "delayed", delay=2, every=5, steps=10, sampler="fair", window=4, segment=5,
-                    compensation=("predict", 1.0))]
+                    compensation=("predict", 1.0)),
+           # pipeline.shared_delays: the head (last stage) one update late, the stem three
+           scenario("conv", "delayed", delay=3, every=5, steps=10, sampler="fair", window=4, segment=5,
+                    delays={"head": 1})]
     results, _, _ = spawn(2, scs, timeout_s=300)
     for sc, got in zip(scs, results):
         run_ = oracle(sc)

@@ -67,22 +67,23 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
                  frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(), delay: int = 0,
                  origin: Mapping[str, int] | None = None, state_time: Mapping[str, float] | None = None,
                  cap: Sequence[int] | None = None, name: str = "cross", arena: ArenaBound | None = None,
-                 split: bool = False) -> Schedule:
+                 split: bool = False, delays: Mapping[str, int] | None = None) -> Schedule:
     """The schedule of ``work`` (subnets in training order) with at most ``window`` unfinished.
 
     ``state_time[op]``: seconds an op's move takes (default 0); ``origin``: each op's stage
     before the first action; ``arena``: the tensor manager's bound (None: every op resident);
     ``split``: split every backward into ``B`` (input gradient) and ``W`` (weight gradient,
-    ``SubnetWork.bwd_weight`` seconds), each ``W`` run where its stage would otherwise idle.
-    Raises :class:`ScheduleError` for inputs of the wrong shape.
+    ``SubnetWork.bwd_weight`` seconds), each ``W`` run where its stage would otherwise idle;
+    ``delays``: a delayed op's own delay where not ``delay`` (:class:`Schedule`). Raises
+    :class:`ScheduleError` for inputs of the wrong shape.
     """
     return _admit(work, num_microbatches, window, frozen=frozen, delayed=delayed, delay=delay, origin=origin,
-                  state_time=state_time, cap=cap, name=name, arena=arena, split=split)[0]
+                  state_time=state_time, cap=cap, name=name, arena=arena, split=split, delays=delays)[0]
 
 
 def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, frozen: frozenset[str] = frozenset(),
                delayed: frozenset[str] = frozenset(), delay: int = 0, origin: Mapping[str, int] | None = None,
-               name: str | None = None) -> Schedule:
+               name: str | None = None, delays: Mapping[str, int] | None = None) -> Schedule:
     """Flushed steps back to back: subnet ``t`` runs the one-subnet schedule ``base`` (GPipe,
     1F1B) and then its update ``U`` on every stage, before the stage begins subnet ``t + 1``.
     Each update waits for the last stage's losses, so a subnet drains before the next begins:
@@ -103,14 +104,15 @@ def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, froz
             rows[s].append(Action(s, "U", 0, t))
     return Schedule(name or f"{base.name}+U", P, base.num_microbatches, tuple(tuple(r) for r in rows),
                     num_subnets=T, uses=tuple(tuple(u) for u in uses), frozen=frozenset(frozen),
-                    delayed=frozenset(delayed), delay=delay,
+                    delayed=frozenset(delayed), delay=delay, delays=tuple(sorted((delays or {}).items())),
                     origin=tuple(sorted(origin.items())) if origin is not None else None)
 
 
 def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, frozen: frozenset[str],
            delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None,
            state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str,
-           arena: ArenaBound | None = None, split: bool = False) -> tuple[Schedule, Clock]:
+           arena: ArenaBound | None = None, split: bool = False,
+           delays: Mapping[str, int] | None = None) -> tuple[Schedule, Clock]:
     """:func:`cross_subnet`, and the clock that timed its choices (the builder's estimates)."""
     if not work:
         raise ScheduleError("cross_subnet: expected at least one subnet, found none")
@@ -125,7 +127,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     uses = tuple(w.uses for w in work)
     rule = WaitRule(P, M, T, uses, frozenset(frozen), frozenset(delayed), delay,
                     dict(origin) if origin is not None else None, updates=True,
-                    split=[(t, s) for t in range(T) for s in range(P)] if split else ())
+                    split=[(t, s) for t in range(T) for s in range(P)] if split else (), delays=delays)
     # the simulator's clock: an estimate here is exactly what simulate() replays of the result
     clock = Clock.per_subnet(rule, work, state_time)
     ids = [[[clock.id(Action(s, k, m, t)) for k in "FB" for m in range(M)] + [clock.id(Action(s, "U", 0, t))]
@@ -248,6 +250,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
                 lo += 1
     sched = Schedule(name, P, M, tuple(tuple(r) for r in rows), num_subnets=T, uses=uses,
                      frozen=frozenset(frozen), delayed=frozenset(delayed), delay=delay,
+                     delays=tuple(sorted((delays or {}).items())),
                      origin=tuple(sorted(origin.items())) if origin is not None else None)
     return sched, clock
 

@@ -21,7 +21,7 @@ subnet, updates, reductions and the subnets' collectives included.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .admission import SubnetWork, cross_subnet, sequential
@@ -110,24 +110,27 @@ def meshes(world: int, microbatches: int, max_stages: int) -> list[tuple[int, in
 
 def seconds_per_subnet(work: Sequence[SubnetWork], microbatches: int, window: int, schedule: str = "1f1b", *,
                        frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(),
-                       delay: int = 0) -> float:
+                       delay: int = 0, delays: Mapping[str, int] | None = None) -> float:
     """The simulated makespan of ``work`` (subnets in training order, each over the same S
     stages, ``microbatches`` each) run as the runtime runs it, per subnet: flushed steps of
     ``schedule`` at ``window`` 1, the admission builder's cross-subnet schedule above (with every
-    backward split when ``schedule`` is ``zbh1``, as the runtime splits them)."""
+    backward split when ``schedule`` is ``zbh1``, as the runtime splits them); ``delays``: a
+    delayed op's own delay where not ``delay``."""
     P = len(work[0].uses)
     uses = [w.uses for w in work]
     if window == 1:
-        sch = sequential(build_schedule(schedule, P, microbatches), uses, frozen=frozen, delayed=delayed, delay=delay)
+        sch = sequential(build_schedule(schedule, P, microbatches), uses, frozen=frozen, delayed=delayed, delay=delay,
+                         delays=delays)
     else:
         sch = cross_subnet(work, microbatches, window, frozen=frozen, delayed=delayed, delay=delay,
-                           split=schedule == "zbh1")
+                           split=schedule == "zbh1", delays=delays)
     return simulate(sch, work=work).step_time / len(work)
 
 
 def layout_options(works: dict[tuple[int, int], Sequence[SubnetWork]], microbatches: int, batch_size: int,
                    windows: Sequence[int] = (1,), schedule: str = "1f1b", *, frozen: frozenset[str] = frozenset(),
-                   delayed: frozenset[str] = frozenset(), delay: int = 0) -> list[LayoutOption]:
+                   delayed: frozenset[str] = frozenset(), delay: int = 0,
+                   delays: Mapping[str, int] | None = None) -> list[LayoutOption]:
     """Every (S, R) of ``works`` (its subnets' work, priced for that mesh: M / R micro-batches,
     reductions over R) with every window in ``windows`` (one stage has no bubble to fill: S = 1
     only with the smallest), by S then W."""
@@ -137,7 +140,7 @@ def layout_options(works: dict[tuple[int, int], Sequence[SubnetWork]], microbatc
             if s == 1 and w != min(windows):
                 continue
             step = seconds_per_subnet(work, microbatches // r, w, schedule, frozen=frozen, delayed=delayed,
-                                      delay=delay)
+                                      delay=delay, delays=delays)
             out.append(LayoutOption(s, r, w, step, batch_size / step if step > 0 else float("inf")))
     return out
 

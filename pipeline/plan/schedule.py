@@ -138,7 +138,8 @@ class Schedule:
     (parameters or buffers) that subnet ``t`` runs on stage ``s``, from which :class:`WaitRule`
     derives every wait. ``frozen`` ops are never updated (no order between subnets);
     ``delayed`` ops are read ``delay`` updates late (subnet ``t`` reads the state after the
-    update of subnet ``t - delay - 1``, updates still in subnet order); every other op is read
+    update of subnet ``t - delay - 1``, updates still in subnet order), or as many as ``delays``
+    gives an op (``pipeline.shared_delays``: (op, delay >= 1) pairs); every other op is read
     after the update of the subnet before that uses it (exact). ``origin``: the stage of each
     op before the schedule starts (None: every op already sits where it is first used).
     """
@@ -154,6 +155,7 @@ class Schedule:
     delayed: frozenset[str] = frozenset()
     delay: int = 0
     origin: tuple[tuple[str, int], ...] | None = field(default=None)
+    delays: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_microbatches", "num_subnets"):
@@ -183,6 +185,10 @@ class Schedule:
         object.__setattr__(self, "delayed", frozenset(self.delayed))
         if isinstance(self.origin, Mapping):
             object.__setattr__(self, "origin", tuple(sorted(self.origin.items())))
+        delays = tuple(sorted(dict(self.delays).items()))
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for _, d in delays):
+            raise ScheduleError(f"Schedule.delays: expected (op, int >= 1) pairs, found {delays!r}")
+        object.__setattr__(self, "delays", delays)
 
     def __str__(self) -> str:
         return format_grid(self)
@@ -212,7 +218,7 @@ class Schedule:
         """The wait rule of this schedule (one per schedule; every user asks it)."""
         return WaitRule(self.num_stages, self.num_microbatches, self.num_subnets, self.uses, self.frozen,
                         self.delayed, self.delay, dict(self.origin) if self.origin is not None else None,
-                        self.updates, self.training, self.split)
+                        self.updates, self.training, self.split, dict(self.delays))
 
 
 class WaitRule:
@@ -240,8 +246,10 @@ class WaitRule:
     def __init__(self, num_stages: int, num_microbatches: int, num_subnets: int,
                  uses: tuple[tuple[frozenset[str], ...], ...] | None, frozen: frozenset[str],
                  delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None, updates: bool,
-                 training: bool = True, split: Iterable[tuple[int, int]] = ()) -> None:
+                 training: bool = True, split: Iterable[tuple[int, int]] = (),
+                 delays: Mapping[str, int] | None = None) -> None:
         self.P, self.M, self.T = num_stages, num_microbatches, num_subnets
+        self.delays = dict(delays or {})  # a delayed op's own delay, where not ``delay``
         self.split = frozenset(split)  # the (subnet, stage) pairs with a W per micro-batch
         self.uses, self.frozen, self.delayed, self.delay = uses, frozen, delayed, delay
         self.origin, self.updates, self.training = origin, updates, training
@@ -260,7 +268,7 @@ class WaitRule:
         k = self._index[op][subnet]
         if op in self.frozen:
             return None
-        back = self.delay + 1 if op in self.delayed else 1
+        back = self.delays.get(op, self.delay) + 1 if op in self.delayed else 1
         return self.users[op][k - back] if k - back >= 0 else None
 
     def waits(self, a: Action) -> tuple[Wait, ...]:
