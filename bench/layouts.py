@@ -14,8 +14,11 @@ run's own ``train_time_s`` (summary.json: training alone, no start-up): the defa
 steps, the transformer (``space=transformer space.width=256 space.layers=8``) for 150. Layouts:
 ``one_process`` (``python -m search threads=1``, the baseline), and under ``torchrun
 --nproc_per_node=2``: ``flushed`` (``pipeline.stages=2``, one flushed 1F1B step per subnet: the
-default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB-H1), ``window4`` (two stages, ``pipeline.window=4 pipeline.shared_ops=delayed``; ``window4_zbh1`` with the split),
-``stages1`` (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
+default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB-H1),
+``window4`` (two stages, ``pipeline.window=4 pipeline.shared_ops=delayed``; ``window4_zbh1``
+with the split), ``window4_d3`` and ``window4_d3_head1`` (``window4`` with D = 3, and with the
+head read one update late: ``pipeline.shared_delays={head:1}``), ``stages1``
+(``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
 pipeline.window=auto``: the layout chooser's pick, the default under torchrun). ``window4``
 reads shared ops one update late (other weights than the rest: the issue's table has it); the
 others compute the same weights.
@@ -57,6 +60,12 @@ LAYOUTS = {  # name: (processes, overrides)
     "window4": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed"]),
     "window4_zbh1": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
                          "pipeline.schedule=zbh1"]),
+    # D = 3 with every shared op at D, and with the head one update late (pipeline.shared_delays): what
+    # reading the head sooner costs a real run (other weights again; not among the hand-picked)
+    "window4_d3": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                       "pipeline.shared_delay=3"]),
+    "window4_d3_head1": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                             "pipeline.shared_delay=3", "pipeline.shared_delays={head:1}"]),
     "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
     "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
 }

@@ -97,6 +97,7 @@ class SharedOps:
                              f"found {unknown}")
         # per op, a delay other than ``delay`` (only where it matters: delayed mode)
         self.delays = {op: d for op, d in delays.items() if d != delay} if mode == "delayed" else {}
+        self._late = read_late(mode, self.shared, delay, self.delays)  # asked per op per subnet: once
         self._live = module
         self._versions: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # op -> step -> state after it
         self._private: dict[tuple[str, int], nn.Module] = {}  # (op, step) -> the module that subnet runs
@@ -117,11 +118,11 @@ class SharedOps:
 
     @property
     def delayed(self) -> frozenset[str]:
-        return read_late(self.mode, self.shared, self.delay, self.delays)[0]
+        return self._late[0]
 
     @property
     def own_delays(self) -> dict[str, int]:
-        return read_late(self.mode, self.shared, self.delay, self.delays)[1]
+        return dict(self._late[1])
 
     def delay_of(self, op: str) -> int:
         return self.delays.get(op, self.delay)
