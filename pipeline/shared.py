@@ -95,8 +95,7 @@ class SharedOps:
         if unknown:
             raise ValueError(f"pipeline.shared_delays: expected shared ops of this space ({sorted(self.shared)}), "
                              f"found {unknown}")
-        # per op, a delay other than ``delay`` (only where it matters: delayed mode)
-        self.delays = {op: d for op, d in delays.items() if d != delay} if mode == "delayed" else {}
+        self.delays = delays if mode == "delayed" else {}  # an op's own delay, where it matters
         self._late = read_late(mode, self.shared, delay, self.delays)  # asked per op per subnet: once
         self._live = module
         self._versions: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # op -> step -> state after it
@@ -134,11 +133,10 @@ class SharedOps:
     def floor(self, step: int) -> int:
         return (step // self.every) * self.every if self.every else 0
 
-    def reads(self, step: int, op: str | None = None) -> int:
-        """The step whose update produced the version of a delayed op (``op``; None: one with the
-        run's delay) that ``step`` reads (``floor - 1``: the state at the checkpoint boundary)."""
-        d = self.delay if op is None else self.delay_of(op)
-        return max(step - d, self.floor(step)) - 1
+    def reads(self, step: int, op: str) -> int:
+        """The step whose update produced the version of delayed op ``op`` that ``step`` reads
+        (``floor - 1``: the state at the checkpoint boundary)."""
+        return max(step - self.delay_of(op), self.floor(step)) - 1
 
     def begin(self, op: str, step: int) -> None:
         """Subnet ``step`` is about to run ``op`` (owned here): for a delayed op, make its

@@ -149,20 +149,19 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
 
         # which version of each shared op this step runs
         floor = (step // checkpoint_every) * checkpoint_every if checkpoint_every else 0
-        def reads(op: str) -> int:
-            return -1 if mode == "frozen" else max(step - own.get(op, delay), floor) - 1
+        def reads(d: int) -> int:  # the version a shared op with delay ``d`` is read at
+            return -1 if mode == "frozen" else max(step - d, floor) - 1
 
-        run.reads.append(-1 if mode == "frozen" else max(step - delay, floor) - 1)
+        run.reads.append(reads(delay))
         runs: dict[str, nn.Module] = {}
         for op in active:
             live = modules[op.op_id]
             if op.op_id not in shared:
                 runs[op.op_id] = live
                 continue
-            read = reads(op.op_id)
+            read = reads(own.get(op.op_id, delay))
             missed = step - 1 - read
-            predict = (compensation == "predict" and own.get(op.op_id, delay) > 0 and missed > 0
-                       and read - 1 >= floor - 1)
+            predict = compensation == "predict" and missed > 0 and read - 1 >= floor - 1
             view = copy.deepcopy(live)
             view.load_state_dict(after[read][op.op_id])
             if predict:  # the version read, moved on along its last update by the updates it misses
@@ -206,7 +205,8 @@ def train(graph: SupernetGraph, seed: int, items: Sequence[StepItem], *, optim, 
                 grads = dict(view.named_parameters())
                 for name, p in live.named_parameters():
                     g = grads[name].grad
-                    if compensation == "dc" and g is not None and own.get(op.op_id, delay) > 0:  # DC-ASGD
+                    # DC-ASGD, from the weights it read (an op read exactly has none to correct)
+                    if compensation == "dc" and g is not None and own.get(op.op_id, delay) > 0:
                         g = g.detach() + coef * (g * g * (p.detach() - grads[name].detach()))
                     p.grad = g
                 stats = dict(view.named_buffers())
