@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from search.data import ArrayDataset, DataError, Dataset, Digits, Synthetic
+from search.data import ArrayDataset, DataError, Dataset, Digits, Synthetic, digits_split
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,32 @@ def test_digits_shapes_types_and_split(digits: Digits) -> None:
     other = Digits(seed=5)
     assert torch.equal(other.x_val, digits.x_val) and torch.equal(other.y_train, digits.y_train)
     assert not torch.equal(Digits(split_seed=1).y_val, digits.y_val)
+
+
+def test_the_digits_cache_gives_scikit_learns_split_and_remakes_a_bad_file(tmp_path, monkeypatch) -> None:
+    """The cached arrays are scikit-learn's split bit for bit; a cache file that cannot be read
+    (cut short by a crash, say) is made again, and a cache that cannot be written is skipped."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x, y = (d.images.astype("float32") / 16.0)[:, None], d.target.astype("int64")
+    want = train_test_split(x, y, test_size=0.25, random_state=3, stratify=y)
+    first = digits_split(0.25, 3, tmp_path)
+    (path,) = tmp_path.glob("digits-*.npz")
+    again = digits_split(0.25, 3, tmp_path)
+    for a, b, c in zip(want, first, again):
+        assert a.dtype == b.dtype == c.dtype and (a == b).all() and (a == c).all()
+    assert digits_split(0.2, 3, tmp_path)[1].shape[0] != first[1].shape[0]  # the key has the settings
+    path.write_bytes(path.read_bytes()[:100])
+    assert all((a == b).all() for a, b in zip(want, digits_split(0.25, 3, tmp_path)))
+    assert len(path.read_bytes()) > 100  # made again
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert all((a == b).all() for a, b in zip(want, digits_split(0.25, 3, blocked / "cache")))
+    monkeypatch.setenv("PIPENAS_CACHE", str(tmp_path / "env"))  # the run's cache dir by default
+    digits_split(0.25, 3)
+    assert len(list((tmp_path / "env").glob("digits-*.npz"))) == 1
 
 
 def test_train_batches_are_a_pure_function_of_seed_and_step(digits: Digits) -> None:
