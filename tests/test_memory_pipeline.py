@@ -113,15 +113,27 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
     return plans
 
 
-def least_feasible(sc: Scenario, stages: int, field_: str, hi: int, **memory) -> int:
-    """The smallest value of ``memory.<field_>`` with which every step of ``sc`` can be planned."""
-    lo = 0  # infeasible
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+def least_feasible(sc: Scenario, stages: int, field_: str, hi: int, rel: float = 0.0, **memory) -> int:
+    """The smallest value of ``memory.<field_>`` with which every step of ``sc`` can be planned
+    (``hi`` must be one); with ``rel`` > 0, a feasible value within ``rel`` of it (planning is
+    the cost: each try plans every step)."""
+    def feasible(value: int) -> bool:
         try:
-            planned(sc, stages, {**memory, field_: mid})
-            hi = mid
+            planned(sc, stages, {**memory, field_: value})
+            return True
         except ValueError:
+            return False
+
+    lo = 0  # infeasible
+    while rel and hi >= 8 and feasible(hi // 8):  # most tries' budgets are far too large: come down fast
+        hi //= 8
+    if rel:
+        lo = hi // 8 if hi >= 8 else 0
+    while hi - lo > max(1, int(rel * hi)):
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
             lo = mid
     return hi
 
@@ -169,7 +181,7 @@ AUTO = [
 def auto(sc: Scenario, stages: int) -> Scenario:
     """``sc`` with ``memory.activations=auto`` at the least activation budget its plans meet
     (some stage then swaps or recomputes)."""
-    least = least_feasible(sc, stages, "activation_budget_bytes", 1 << 24, activations="auto")
+    least = least_feasible(sc, stages, "activation_budget_bytes", 1 << 24, rel=1 / 64, activations="auto")
     return Scenario(**{**sc.__dict__, "memory": {"activations": "auto", "activation_budget_bytes": least}})
 
 

@@ -291,7 +291,7 @@ def auto_scenarios(stages: int) -> list[Scenario]:
 
     out = []
     for sc in (Scenario("transformer", "1f1b", steps=3, extra=MIGRATING), Scenario("cell", "1f1b", steps=3)):
-        least = least_feasible(sc, stages, "activation_budget_bytes", 1 << 24, activations="auto")
+        least = least_feasible(sc, stages, "activation_budget_bytes", 1 << 24, rel=1 / 64, activations="auto")
         memory = {"activations": "auto", "activation_budget_bytes": int(1.2 * least)}
         plans = planned(sc, stages, memory)
         assert any(c == "peer" for p in plans for st in p.activations for c in st.values()), sc
