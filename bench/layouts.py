@@ -19,14 +19,19 @@ default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB
 with the split), ``window4_d3`` and ``window4_d3_head1`` (``window4`` with D = 3, and with the
 head read one update late: ``pipeline.shared_delays={head:1}``), ``stages1``
 (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
-pipeline.window=auto``: the layout chooser's pick, the default under torchrun). ``window4``
+pipeline.window=auto``: the layout chooser's pick, the default under torchrun), and, as the
+ceiling of two processes on this machine rather than a layout, ``two_halves``: two one-process
+runs started together, each on half the batch in half the micro-batches (a data-parallel
+replica's work with no messages, no reduction and no second update; the slower one's time; other
+weights). ``window4``
 reads shared ops one update late (other weights than the rest: the issue's table has it); the
 others compute the same weights.
 
 One JSON line per run (``"kind": "run"``: train time, the layout the run took, the chooser's
 prediction for ``auto``), and one per space (``"kind": "space"``): each layout's median train
 time and its speed-up over one process (the median of the per-round ratios), the best
-hand-picked layout and how far ``auto`` is from it. How much of two cores two processes got is
+hand-picked layout and how far ``auto`` is from it, and with ``two_halves`` what the fastest layout
+reaches of that ceiling (``best_over_ceiling``). How much of two cores two processes got is
 measured at the start and the end (``bench/search_scaling.py``'s probe: 2.0 on two idle cores).
 """
 from __future__ import annotations
@@ -68,6 +73,10 @@ LAYOUTS = {  # name: (processes, overrides)
                              "pipeline.shared_delay=3", "pipeline.shared_delays={head:1}"]),
     "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
     "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
+    # the ceiling of two processes here, not a layout: two one-process runs at once, each on half the
+    # batch in half the micro-batches (a data-parallel replica's work, with no messages, reduction or
+    # second update); their slower train time
+    "two_halves": (2, ["train.batch_size=32", "train.microbatches=2"]),
 }
 HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "window4_zbh1", "stages1")
 
@@ -96,6 +105,29 @@ def run_layout(out: Path, nproc: int, overrides: list[str], tree: Path = ROOT) -
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"{' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return _result(out, wall)
+
+
+def run_halves(out: Path, overrides: list[str], tree: Path = ROOT) -> dict[str, Any]:
+    """``two_halves``: two one-process runs started together, each on half the batch; the slower
+    one's train time (the run finishes when both have)."""
+    logs = [Path(f"{out}-{k}.stderr") for k in range(2)]  # files, not pipes: neither run waits on a full pipe
+    t0 = time.perf_counter()
+    procs = []
+    for k, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "search", *COMMON, *overrides,
+                                           f"hydra.run.dir={out}-{k}"], cwd=tree, env=_env(tree),
+                                          stdout=subprocess.DEVNULL, stderr=f))
+    codes = [p.wait() for p in procs]
+    wall = time.perf_counter() - t0
+    for code, log in zip(codes, logs):
+        if code != 0:
+            sys.exit(f"two_halves {' '.join(overrides)} exited {code}:\n{log.read_text()[-3000:]}")
+    return max((_result(Path(f"{out}-{k}"), wall) for k in range(2)), key=lambda r: r["train_time_s"])
+
+
+def _result(out: Path, wall: float) -> dict[str, Any]:
     s = json.loads((out / "summary.json").read_text())
     layout = s.get("layout") or {}
     return {"train_time_s": s["train_time_s"], "wall_s": round(wall, 2), "world_size": s["world_size"],
@@ -129,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
                 for name in order:
                     for tree in tree_order:
                         nproc = LAYOUTS[name][0]
-                        res = run_layout(Path(tmp) / f"{tree}-{space}-{name}-{r}", nproc,
-                                         [*extra, f"train.steps={steps}", *_overrides(trees[tree], name)], trees[tree])
+                        where, over = Path(tmp) / f"{tree}-{space}-{name}-{r}", [*extra, f"train.steps={steps}",
+                                                                                  *_overrides(trees[tree], name)]
+                        res = (run_halves(where, over, trees[tree]) if name == "two_halves" else
+                               run_layout(where, nproc, over, trees[tree]))
                         times.setdefault((tree, space, name), []).append(res["train_time_s"])
                         row = {"kind": "run", "tree": tree, "space": space, "layout": name, "round": r, **res}
                         rows.append(row)
@@ -152,6 +186,12 @@ def main(argv: list[str] | None = None) -> None:
                 best = min(hand, key=lambda n: summary[n]["train_time_s"])
                 summary["best_hand_picked"] = best
                 summary["auto_over_best"] = round(summary["auto"]["train_time_s"] / summary[best]["train_time_s"], 3)
+            if "two_halves" in args.layouts:  # what the best layout reaches of two processes' ceiling here
+                best = max((n for n in args.layouts if n not in ("one_process", "two_halves")),
+                           key=lambda n: summary[n]["speedup"] or 0, default=None)
+                if best is not None and summary[best]["speedup"] and summary["two_halves"]["speedup"]:
+                    summary["best_over_ceiling"] = {best: round(summary[best]["speedup"]
+                                                                / summary["two_halves"]["speedup"], 3)}
             mine = [row for row in rows if row["tree"] == tree and row["space"] == space and row["layout"] == "auto"]
             summary["auto_picked"] = [row["ran"] for row in mine]
             summary["auto_predicted"] = mine[-1]["predicted"] if mine else None
