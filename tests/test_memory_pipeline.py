@@ -179,8 +179,8 @@ AUTO = [
 
 
 def auto(sc: Scenario, stages: int) -> Scenario:
-    """``sc`` with ``memory.activations=auto`` at the least activation budget its plans meet
-    (some stage then swaps or recomputes)."""
+    """``sc`` with ``memory.activations=auto`` at (within 1/64 above) the least activation budget
+    its plans meet: some stage then swaps or recomputes, which the test checks on the plans."""
     least = least_feasible(sc, stages, "activation_budget_bytes", 1 << 24, rel=1 / 64, activations="auto")
     return Scenario(**{**sc.__dict__, "memory": {"activations": "auto", "activation_budget_bytes": least}})
 
