@@ -50,6 +50,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import supernet.spaces  # noqa: F401 - registers the built-in spaces and their ops
 from pipeline import Engine, create_engine, dist_env, params_digest
 from pipeline.determinism import use_deterministic_kernels
+from pipeline.eager import skip_dynamo
 from pipeline.engine import engine_device
 from pipeline.failures import parse_fault
 from pipeline.layout import Layout, LayoutError, resolve_layout
@@ -104,6 +105,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     """Everything that can be wrong with the input fails here, before anything is written: the
     config, the data and the space it names, the run directory (``output_dir``, else the config's
     ``output_dir``, else Hydra's; ``output_field`` names it in errors) and the checkpoint there."""
+    skip_dynamo()  # no torch._dynamo import in this eager process: 1.5-2 s of its start (pipeline/eager.py)
     rc = load_config(cfg)
     use_deterministic_kernels(engine_device(rc.device), rc.deterministic)  # before any CUDA work
     if output_dir is None and rc.output_dir is not None:

@@ -20,6 +20,8 @@ import math
 import torch
 from torch import nn
 
+from .. import eager
+
 __all__ = ["OptimConfig", "OptimGroup", "PortableAdamW"]
 
 
@@ -127,7 +129,7 @@ class OptimGroup:
         group.param_groups[0]["params"], group.param_groups[0]["lr"] = params, lr
         group.state = state
         try:
-            group.step()
+            eager.step(group)  # group.step(); in the app's processes without torch._dynamo (pipeline/eager.py)
         finally:
             group.param_groups[0]["params"], group.state = [], {}
         for p in params:
