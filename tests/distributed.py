@@ -192,7 +192,9 @@ def _worker() -> None:
     import torch.distributed as dist
 
     from pipeline import DistEnv
+    from pipeline.eager import skip_dynamo
 
+    skip_dynamo()  # as the app's processes do (search.app.prepare): no torch._dynamo import
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
