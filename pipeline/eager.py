@@ -69,10 +69,11 @@ def step(opt: Any) -> Any:
     import torch
     from torch.optim import optimizer as torch_optimizer
 
-    if (not _state["skipping"] or opt.defaults.get("differentiable") or opt._optimizer_step_pre_hooks
-            or opt._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
-            or torch_optimizer._global_optimizer_post_hooks):
-        return opt.step()
+    hooks = (getattr(opt, "_optimizer_step_pre_hooks", None), getattr(opt, "_optimizer_step_post_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+    if not _state["skipping"] or opt.defaults.get("differentiable") or any(h is None or h for h in hooks):
+        return opt.step()  # (a hook registered, or a torch that keeps them elsewhere: torch's path)
     wrappers = _step_wrappers()
     fn = type(opt).step
     while getattr(fn, "__code__", None) in wrappers:
