@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             other = runs[(launch, name)]
             row[f"{name}_wall_s"] = statistics.median(x["wall_s"] for x in other)
-            row[f"{name}_over_this"] = round(statistics.median(o["wall_s"] / t["wall_s"] for o, t in zip(other, this)), 3)
+            ratios = [o["wall_s"] / t["wall_s"] for o, t in zip(other, this)]
+            row[f"{name}_over_this"] = round(statistics.median(ratios), 3)
             row[f"{name}_same_digest"] = all(o["params_digest"] == t["params_digest"] for o, t in zip(other, this))
         rows.append(row)
     emit(args.name, rows)
