@@ -76,6 +76,20 @@ def python_path(tree: Path = ROOT) -> str:
     return os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
 
 
+def search_command(nproc: int) -> list[str]:
+    """``python -m search`` in ``nproc`` processes, launched as a user launches it (torchrun above one)."""
+    if nproc == 1:
+        return [sys.executable, "-m", "search"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "search"]
+
+
+def run_env(tree: Path = ROOT) -> dict[str, str]:
+    """The environment of a child run of ``tree``: this process's, less a torchrun rank's identity
+    and a planted fault, with one intra-op thread and the tree first on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=python_path(tree))
+
+
 def spawn(world: int, target: str, spec: dict, timeout_s: float = 600.0) -> Any:
     """Run ``target`` (``"module:function"``) in ``world`` gloo ranks; rank 0's result."""
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-bench-"))

@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _spawn import emit, progress, python_path  # noqa: E402
+from _spawn import emit, progress, run_env, search_command  # noqa: E402
 from search_scaling import two_processes_speedup  # noqa: E402
 
 COMMON = ["search=none", "train.checkpoint_every=0", "train.monitor_every=0", "threads=1", "train.tensorboard=false"]
@@ -81,11 +81,6 @@ LAYOUTS = {  # name: (processes, overrides)
 HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "window4_zbh1", "stages1")
 
 
-def _env(tree: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT")}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=python_path(tree))
-
-
 def _overrides(tree: Path, name: str) -> list[str]:
     """A layout's overrides in ``tree``: a tree without the layout chooser (before issue 23's
     parts 1-2) has no ``pipeline.window=auto``, its ``auto`` is ``pipeline.stages=auto`` alone."""
@@ -96,11 +91,9 @@ def _overrides(tree: Path, name: str) -> list[str]:
 
 
 def run_layout(out: Path, nproc: int, overrides: list[str], tree: Path = ROOT) -> dict[str, Any]:
-    launch = ([sys.executable, "-m", "search"] if nproc == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "search"])
     t0 = time.perf_counter()
-    proc = subprocess.run([*launch, *COMMON, *overrides, f"hydra.run.dir={out}"], cwd=tree, env=_env(tree),
+    proc = subprocess.run([*search_command(nproc), *COMMON, *overrides, f"hydra.run.dir={out}"], cwd=tree,
+                          env=run_env(tree),
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -116,8 +109,8 @@ def run_halves(out: Path, overrides: list[str], tree: Path = ROOT) -> dict[str, 
     procs = []
     for k, log in enumerate(logs):
         with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, "-m", "search", *COMMON, *overrides,
-                                           f"hydra.run.dir={out}-{k}"], cwd=tree, env=_env(tree),
+            procs.append(subprocess.Popen([*search_command(1), *COMMON, *overrides,
+                                           f"hydra.run.dir={out}-{k}"], cwd=tree, env=run_env(tree),
                                           stdout=subprocess.DEVNULL, stderr=f))
     codes = [p.wait() for p in procs]
     wall = time.perf_counter() - t0

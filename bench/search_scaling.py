@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _spawn import emit  # noqa: E402
+from _spawn import emit, run_env, search_command  # noqa: E402
 
 COMMON = ["threads=1", "train.checkpoint_every=0", "train.monitor_every=0"]
 MODES = {  # name: (processes, overrides)
@@ -44,14 +44,9 @@ MODES = {  # name: (processes, overrides)
 }
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PIPENAS_FAULT")}
-    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-
-
 def _run(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd[:6])} ... exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
@@ -88,10 +83,7 @@ def two_processes_speedup() -> dict[str, float]:
 def search_run(base: Path, out: Path, nproc: int, overrides: list[str]) -> dict[str, Any]:
     """Search the trained supernet in ``base`` (copied to ``out``) with ``nproc`` processes."""
     shutil.copytree(base, out)
-    launch = ([sys.executable, "-m", "search"] if nproc == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "search"])
-    wall = _run([*launch, *COMMON, *overrides, f"hydra.run.dir={out}"])
+    wall = _run([*search_command(nproc), *COMMON, *overrides, f"hydra.run.dir={out}"])
     summary = json.loads((out / "summary.json").read_text())
     section = summary["searches"]["evolution"]
     return {"search_time_s": section["search_time_s"], "wall_s": round(wall, 2), "world_size": summary["world_size"],
@@ -118,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     same: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="pipenas-search-scaling-") as tmp:
         base = Path(tmp) / "trained"
-        train_s = _run([sys.executable, "-m", "search", *COMMON, *args.overrides, f"train.steps={args.steps}",
+        train_s = _run([*search_command(1), *COMMON, *args.overrides, f"train.steps={args.steps}",
                         "search=none", f"hydra.run.dir={base}"])
         for r in range(args.rounds):
             order = list(MODES) if r % 2 == 0 else list(reversed(MODES))

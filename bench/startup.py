@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _spawn import emit, progress, python_path  # noqa: E402
+from _spawn import emit, progress, run_env, search_command  # noqa: E402
 
 SHORT = ["train.steps=12", "train.warmup_steps=2", "search.population=4", "search.generations=1", "threads=1",
          "train.tensorboard=false"]
@@ -38,14 +37,9 @@ LAUNCHES = {  # name: (processes, overrides)
 
 def run_once(tree: Path, nproc: int, overrides: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix="startup-")) / "run"
-    launch = ([sys.executable, "-m", "search"] if nproc == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "search"])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=python_path(tree))
     t0 = time.perf_counter()
-    proc = subprocess.run([*launch, *SHORT, *overrides, f"hydra.run.dir={out}"], cwd=tree, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([*search_command(nproc), *SHORT, *overrides, f"hydra.run.dir={out}"], cwd=tree,
+                          env=run_env(tree), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"{tree}: {' '.join(overrides)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
