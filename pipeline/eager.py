@@ -29,6 +29,9 @@ import sys
 import types
 from typing import Any
 
+import torch
+from torch.optim import optimizer as torch_optimizer
+
 __all__ = ["skip_dynamo", "step"]
 
 _state = {"asked": False, "skipping": False}
@@ -42,8 +45,6 @@ def skip_dynamo() -> int:
     _state["asked"] = True
     if os.environ.get("PIPENAS_KEEP_DYNAMO") == "1" or "torch._dynamo" in sys.modules:
         return 0
-    import torch
-    import torch.optim  # noqa: F401  (the optimizers' wrappers exist once their module is imported)
     import torch.utils.flop_counter  # noqa: F401  (the search's FLOP count)
     try:
         probe = torch._compile._disable_dynamo(_probe)
@@ -66,9 +67,6 @@ def skip_dynamo() -> int:
 def step(opt: Any) -> Any:
     """``opt.step()``; where :func:`skip_dynamo` applied, the optimizer's own ``step`` under
     ``torch.no_grad()``, past torch's wrappers (see the module doc): the same arithmetic."""
-    import torch
-    from torch.optim import optimizer as torch_optimizer
-
     hooks = (getattr(opt, "_optimizer_step_pre_hooks", None), getattr(opt, "_optimizer_step_post_hooks", None),
              getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
              getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
@@ -84,8 +82,6 @@ def step(opt: Any) -> Any:
 
 def _step_wrappers() -> tuple[types.CodeType, ...]:
     """The code of torch's wrappers around an optimizer's ``step`` (each sets ``__wrapped__``)."""
-    from torch.optim import optimizer as torch_optimizer
-
     if "step_wrappers" not in _state:
         made = (torch_optimizer.Optimizer.profile_hook_step(_probe),
                 torch_optimizer._use_grad_for_differentiable(_probe))

@@ -124,10 +124,8 @@ def _mode_known(mode: Any) -> Iterator[None]:
     where Hydra's internals differ, it composes as before."""
     try:
         from hydra._internal.hydra import Hydra
-    except ImportError:
-        Hydra = None
-    own = getattr(Hydra, "get_mode", None) if Hydra is not None else None
-    if own is None:
+        own = Hydra.get_mode
+    except (ImportError, AttributeError):
         yield
         return
     Hydra.get_mode = lambda self, config_name, overrides: mode
