@@ -234,11 +234,13 @@ def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_e
     spec = {"rendezvous": str(tmp / "rdzv"), "out": str(tmp / "out.json"),
             "scenarios": [asdict(s) for s in scenarios]}
     (tmp / "spec.json").write_text(json.dumps(spec))
+    from tests.cli_driver import child_env
+
     procs = []
     t0 = time.monotonic()
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PIPENAS_FAILURE_DIR=str(tmp / "failures"))
+        env = child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                        PIPENAS_FAILURE_DIR=str(tmp / "failures"))
         env.update(env_extra or {})
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__)), str(tmp / "spec.json")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT)))

@@ -7,13 +7,14 @@ everything as torch made it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.cli_driver import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ _SCRIPT = textwrap.dedent("""
 
 def _run(script: str, **env: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                          env=child_env(**env))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

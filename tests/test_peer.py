@@ -24,6 +24,7 @@ from pipeline.memory import MemorySettings
 from pipeline.memory.peer import peer_needed
 from supernet.activations import ActivationPolicy, run_with_policy
 from supernet.ops import OpContext
+from tests.cli_driver import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MIGRATING = {"eps": 0.0, "objective": "minmax"}
@@ -218,7 +219,7 @@ def _protocol_worker(rendezvous: str, rank: int, mode: str) -> None:
 
 def _protocol(mode: str) -> list[subprocess.CompletedProcess]:
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-peer-"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, str(tmp / "rdzv"), str(r), mode], env=env, cwd=str(ROOT),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     done = []
