@@ -64,14 +64,21 @@ def torchrun_search(args: list[str], cwd: str | Path, nproc: int = 2, timeout_s:
 def run_cases(cases: list[Case], timeout_s: float = 600.0) -> list[Result]:
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-cli-"))
     (tmp / "spec.json").write_text(json.dumps([asdict(c) for c in cases]))
-    p = subprocess.run([sys.executable, str(Path(__file__)), str(tmp)], env=child_env(), cwd=str(ROOT),
-                       capture_output=True, text=True, timeout=timeout_s)
+    from tests.zygote import launch
+
+    p = launch([str(Path(__file__)), str(tmp)], child_env(), ROOT)
+    try:
+        _, stderr = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, stderr = p.communicate()
+        raise AssertionError(f"the driver ran past {timeout_s} s:\n{stderr[-4000:]}") from None
     out = tmp / "results.jsonl"
     results = [Result(**json.loads(line)) for line in out.read_text().splitlines()] if out.exists() else []
     if cases and cases[-1].ends_process and len(results) == len(cases) - 1:
-        results.append(Result(p.returncode, p.stdout, p.stderr))
+        results.append(Result(p.returncode, p.communicate()[0], stderr))
     assert len(results) == len(cases), f"the driver stopped after {len(results)} of {len(cases)} cases " \
-                                       f"(status {p.returncode}):\n{p.stderr[-4000:]}"
+                                       f"(status {p.returncode}):\n{stderr[-4000:]}"
     return results
 
 

@@ -235,6 +235,7 @@ def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_e
             "scenarios": [asdict(s) for s in scenarios]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     from tests.cli_driver import child_env
+    from tests.zygote import launch
 
     procs = []
     t0 = time.monotonic()
@@ -242,8 +243,7 @@ def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_e
         env = child_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
                         PIPENAS_FAILURE_DIR=str(tmp / "failures"))
         env.update(env_extra or {})
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__)), str(tmp / "spec.json")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT)))
+        procs.append(launch([str(Path(__file__)), str(tmp / "spec.json")], env, ROOT))
     done: list[subprocess.CompletedProcess | None] = []
     for p in procs:
         remaining = max(1.0, timeout_s - (time.monotonic() - t0))

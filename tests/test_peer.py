@@ -25,6 +25,7 @@ from pipeline.memory.peer import peer_needed
 from supernet.activations import ActivationPolicy, run_with_policy
 from supernet.ops import OpContext
 from tests.cli_driver import child_env
+from tests.zygote import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 MIGRATING = {"eps": 0.0, "objective": "minmax"}
@@ -220,8 +221,7 @@ def _protocol_worker(rendezvous: str, rank: int, mode: str) -> None:
 def _protocol(mode: str) -> list[subprocess.CompletedProcess]:
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-peer-"))
     env = child_env(OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp / "rdzv"), str(r), mode], env=env, cwd=str(ROOT),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [launch([__file__, str(tmp / "rdzv"), str(r), mode], env, ROOT) for r in range(2)]
     done = []
     for p in procs:
         try:

@@ -177,16 +177,14 @@ dist.destroy_process_group()
 
 @pytest.mark.dist
 def test_shared_profile_is_measured_on_rank0_and_broadcast(tmp_path) -> None:
-    import subprocess
-    import sys
     from pathlib import Path
 
     from tests.cli_driver import child_env
+    from tests.zygote import launch
 
     root = Path(__file__).resolve().parents[1]
     env = child_env(OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, str(r), str(tmp_path)], env=env, cwd=str(root),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [launch(["-c", _RANK_MAIN, str(r), str(tmp_path)], env, root) for r in range(2)]
     try:
         for r, p in enumerate(procs):
             _, err = p.communicate(timeout=120)
