@@ -64,6 +64,18 @@ def tensorboard_available() -> bool:
     return True
 
 
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait, if need be, until a new event file's name sorts after every earlier one's. TensorBoard
+    reads a run's files in name order; a name is ``events.out.tfevents.<second>.<host>.<pid>.<n>``
+    with the pid and a per-process counter unpadded, so a writer made in the same second as the one
+    before it (a resume in the same process, or a restart within the second) may sort first, and
+    the earlier file's steps then purge the resumed ones. At most a second, only then."""
+    stamps = [int(part) for f in tb_dir.glob("events.out.tfevents.*")
+              if (part := f.name.split(".")[3]).isdigit()]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(max(stamps) + 1.01 - time.time())
+
+
 class MetricsWriter:
     """``metrics.jsonl``, ``metrics.csv`` and TensorBoard scalars of the run in ``out``, from
     step ``start`` on (see the module's docstring). ``monitor_columns``: the keys the monitor
@@ -91,6 +103,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard hides earlier events of steps >= start (they run again)
+            _after_earlier_event_files(out / TB_DIR)
             self.tb = SummaryWriter(str(out / TB_DIR), purge_step=start, flush_secs=TB_FLUSH_S)
         self._held: dict[str, Any] | None = None
 

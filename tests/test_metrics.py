@@ -182,6 +182,26 @@ def test_resume_keeps_csv_and_tensorboard_consistent(runs: dict, tmp_path: Path,
         assert [s for s, _ in tb["monitor/largest"]] == [3, 7, 11]
 
 
+def test_a_resumed_writer_in_the_same_second_sorts_after_the_first(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorBoard reads event files in name order (second, host, pid, an unpadded counter): with
+    the counter at 9 and 10 in one second, the resumed file sorted first and the first file's
+    steps purged the resumed ones (seen once in CI under pytest-xdist)."""
+    if not tensorboard_available():
+        pytest.skip("tensorboard is not installed")
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    for start, stop in ((0, 4), (2, 6)):
+        w = MetricsWriter(tmp_path, start, [])
+        for step in range(start, stop):
+            w.step({"step": step, "loss": 1.0 / (step + 1)})
+        w.close()
+    files = sorted((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert [f.name.rsplit(".", 1)[1] for f in files] == ["9", "10"]  # name order is the order they were made
+    assert [s for s, _ in scalars(tmp_path)["train/loss"]] == list(range(6))
+
+
 def test_a_resume_with_other_monitor_settings_keeps_the_old_columns(tmp_path: Path) -> None:
     w = MetricsWriter(tmp_path, 0, ["monitor/a", "monitor_s"], tensorboard=False)
     for step in range(4):
