@@ -21,3 +21,15 @@ def deterministic() -> None:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
+
+
+# The files that take longest (minutes each on 2 cores) are collected first: pytest-xdist hands out
+# whole files (--dist loadfile) in collection order, and one of these started last ran alone at the
+# end of the suite. The rest keep pytest's order.
+LONGEST_FIRST = ("test_readme.py", "test_memory_pipeline.py", "test_cli.py", "test_data_parallel.py", "test_peer.py",
+                 "test_pipeline_equivalence.py", "test_composition.py", "test_parallel_search.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
