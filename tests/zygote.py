@@ -16,11 +16,13 @@ from a single thread. What a fresh interpreter would read at start-up from the e
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -113,6 +115,8 @@ class _Server:
                                      env=child_env(OMP_NUM_THREADS="1"))
         said = self.proc.stdout.readline().strip()
         assert said == "ready", f"tests/zygote.py did not start: {said or self.proc.wait()}"
+        self.folder = Path(tempfile.mkdtemp(prefix="pipenas-children-"))  # the children's output files
+        self.names = itertools.count()
         self.lock = threading.Lock()
         self.changed = threading.Condition()
         self.started: list[int] = []
@@ -161,10 +165,11 @@ class Child:
     """A forked process, used as the tests use ``subprocess.Popen(..., stdout=PIPE, stderr=PIPE,
     text=True)``: ``pid``, ``args``, ``returncode``, ``poll``, ``wait``, ``communicate``, ``kill``."""
 
-    def __init__(self, server: _Server, args: list[str], env: dict[str, str], cwd: str, folder: Path) -> None:
+    def __init__(self, server: _Server, args: list[str], env: dict[str, str], cwd: str) -> None:
         self.args = [sys.executable, *args]
         self._server = server
-        self._files = (folder / f"{id(self)}.out", folder / f"{id(self)}.err")
+        n = next(server.names)
+        self._files = (server.folder / f"{n}.out", server.folder / f"{n}.err")
         for f in self._files:
             f.write_bytes(b"")
         self.pid = server.fork({"argv": args, "env": env, "cwd": cwd, "stdout": str(self._files[0]),
@@ -213,10 +218,7 @@ def launch(args: list[str], env: dict[str, str], cwd: str | Path) -> Child | sub
     with _server_lock:
         if _server is None or _server.proc.poll() is not None:
             _server = _Server()
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix="pipenas-child-"))
-    return Child(_server, list(args), dict(env), str(cwd), folder)
+    return Child(_server, list(args), dict(env), str(cwd))
 
 
 if __name__ == "__main__":
