@@ -68,7 +68,7 @@ def run_cases(cases: list[Case], timeout_s: float = 600.0) -> list[Result]:
 
     p = launch([str(Path(__file__)), str(tmp)], child_env(), ROOT)
     try:
-        _, stderr = p.communicate(timeout=timeout_s)
+        stdout, stderr = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         p.kill()
         _, stderr = p.communicate()
@@ -76,7 +76,7 @@ def run_cases(cases: list[Case], timeout_s: float = 600.0) -> list[Result]:
     out = tmp / "results.jsonl"
     results = [Result(**json.loads(line)) for line in out.read_text().splitlines()] if out.exists() else []
     if cases and cases[-1].ends_process and len(results) == len(cases) - 1:
-        results.append(Result(p.returncode, p.communicate()[0], stderr))
+        results.append(Result(p.returncode, stdout, stderr))
     assert len(results) == len(cases), f"the driver stopped after {len(results)} of {len(cases)} cases " \
                                        f"(status {p.returncode}):\n{stderr[-4000:]}"
     return results

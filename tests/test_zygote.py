@@ -38,26 +38,23 @@ def script(tmp_path_factory) -> Path:
     return path
 
 
-def _both(args: list[str], cwd: Path, **env: str) -> list[tuple[int, str, str]]:
+def _both(monkeypatch: pytest.MonkeyPatch, args: list[str], cwd: Path, **env: str) -> list[tuple[int, str, str]]:
     """The same command forked and as a fresh interpreter: (status, stdout, stderr) each."""
-    import os
-
     got = []
     for exec_ in ("0", "1"):
-        os.environ["PIPENAS_TEST_EXEC"] = exec_
-        try:
+        with monkeypatch.context() as m:
+            m.setenv("PIPENAS_TEST_EXEC", exec_)
             p = launch(args, child_env(**env), cwd)
-        finally:
-            os.environ.pop("PIPENAS_TEST_EXEC")
         out, err = p.communicate(timeout=60)
         got.append((p.returncode, out, err))
     return got
 
 
-def test_a_forked_child_sees_its_argv_cwd_env_and_path_and_writes_its_own_output(script, tmp_path) -> None:
+def test_a_forked_child_sees_its_argv_cwd_env_and_path_and_writes_its_own_output(script, tmp_path,
+                                                                                  monkeypatch) -> None:
     import json
 
-    (forked, fresh) = _both([str(script), "report", "x"], tmp_path, ZYGOTE_PROBE="yes")
+    (forked, fresh) = _both(monkeypatch, [str(script), "report", "x"], tmp_path, ZYGOTE_PROBE="yes")
     assert forked[0] == fresh[0] == 0, forked[2] + fresh[2]
     a, b = json.loads(forked[1]), json.loads(fresh[1])
     for key in ("argv", "cwd", "env", "path0", "name", "torch", "stdin"):
@@ -75,8 +72,9 @@ def test_two_forked_children_draw_their_own_random_streams(script, tmp_path) -> 
 
 
 @pytest.mark.parametrize("args, status", [(["raise"], 1), (["exit", "3"], 3), (["thread"], 0)])
-def test_exit_status_tracebacks_and_threads_as_a_fresh_interpreter(script, tmp_path, args, status) -> None:
-    (forked, fresh) = _both([str(script), *args], tmp_path)
+def test_exit_status_tracebacks_and_threads_as_a_fresh_interpreter(script, tmp_path, monkeypatch, args,
+                                                                    status) -> None:
+    (forked, fresh) = _both(monkeypatch, [str(script), *args], tmp_path)
     assert forked[0] == fresh[0] == status
     assert forked[1] == fresh[1]
     assert forked[2].splitlines()[-1:] == fresh[2].splitlines()[-1:]  # "ValueError: the rank's own error"

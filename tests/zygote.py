@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,15 +92,14 @@ def _become(request: dict) -> None:
 
     np.random.seed()
     argv = request["argv"]
-    sys.argv = list(argv)
     if argv[0] == "-c":
         sys.argv = ["-c", *argv[2:]]
         sys.path.insert(0, "")
-        code = compile(argv[1], "<string>", "exec")
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     else:
         import runpy
 
+        sys.argv = list(argv)
         sys.path.insert(0, str(Path(argv[0]).resolve().parent))
         runpy.run_path(argv[0], run_name="__main__")
 
@@ -198,13 +198,9 @@ class Child:
                 pass
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
 
