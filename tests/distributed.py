@@ -235,7 +235,7 @@ def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_e
             "scenarios": [asdict(s) for s in scenarios]}
     (tmp / "spec.json").write_text(json.dumps(spec))
     from tests.cli_driver import child_env
-    from tests.zygote import launch
+    from tests.zygote import collect, launch
 
     procs = []
     t0 = time.monotonic()
@@ -244,16 +244,7 @@ def spawn(world: int, scenarios: list[Scenario], timeout_s: float = 240.0, env_e
                         PIPENAS_FAILURE_DIR=str(tmp / "failures"))
         env.update(env_extra or {})
         procs.append(launch([str(Path(__file__)), str(tmp / "spec.json")], env, ROOT))
-    done: list[subprocess.CompletedProcess | None] = []
-    for p in procs:
-        remaining = max(1.0, timeout_s - (time.monotonic() - t0))
-        try:
-            out, err = p.communicate(timeout=remaining)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            done.append(None)
+    done = collect(procs, timeout_s - (time.monotonic() - t0))
     seconds = time.monotonic() - t0
     if expect_ok:
         for rank, d in enumerate(done):

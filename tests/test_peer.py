@@ -25,7 +25,7 @@ from pipeline.memory.peer import peer_needed
 from supernet.activations import ActivationPolicy, run_with_policy
 from supernet.ops import OpContext
 from tests.cli_driver import child_env
-from tests.zygote import launch
+from tests.zygote import collect, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 MIGRATING = {"eps": 0.0, "objective": "minmax"}
@@ -222,15 +222,9 @@ def _protocol(mode: str) -> list[subprocess.CompletedProcess]:
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-peer-"))
     env = child_env(OMP_NUM_THREADS="1")
     procs = [launch([__file__, str(tmp / "rdzv"), str(r), mode], env, ROOT) for r in range(2)]
-    done = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"peer tier protocol ({mode}): a rank hung") from None
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    done = collect(procs, 120)
+    if None in done:
+        raise AssertionError(f"peer tier protocol ({mode}): a rank hung")
     return done
 
 

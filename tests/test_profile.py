@@ -180,19 +180,14 @@ def test_shared_profile_is_measured_on_rank0_and_broadcast(tmp_path) -> None:
     from pathlib import Path
 
     from tests.cli_driver import child_env
-    from tests.zygote import launch
+    from tests.zygote import collect, launch
 
     root = Path(__file__).resolve().parents[1]
     env = child_env(OMP_NUM_THREADS="1")
     procs = [launch(["-c", _RANK_MAIN, str(r), str(tmp_path)], env, root) for r in range(2)]
-    try:
-        for r, p in enumerate(procs):
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-3000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for r, d in enumerate(collect(procs, 120)):
+        assert d is not None, f"rank {r} did not finish within 120 s"
+        assert d.returncode == 0, f"rank {r} exited {d.returncode}:\n{d.stderr[-3000:]}"
     tables = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert tables[0] == tables[1]
     assert list((tmp_path / "cache0").glob("profile-*.json"))  # rank 0 measured and cached

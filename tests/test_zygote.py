@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_driver import child_env
-from tests.zygote import launch
+from tests.zygote import collect, launch
 
 _SCRIPT = textwrap.dedent("""
     import json, os, random, sys, threading, time
@@ -93,3 +93,16 @@ def test_code_given_with_dash_c(tmp_path) -> None:
     p = launch(["-c", "import sys; print(sys.argv[1:], __name__)", "a", "b"], child_env(), tmp_path)
     assert p.communicate(timeout=60) == ("['a', 'b'] __main__\n", "")
     assert p.returncode == 0
+
+
+@pytest.mark.parametrize("exec_", ["0", "1"])
+def test_collect_kills_every_child_at_the_first_that_overruns_the_deadline(script, tmp_path, monkeypatch,
+                                                                          exec_) -> None:
+    monkeypatch.setenv("PIPENAS_TEST_EXEC", exec_)
+    procs = [launch([str(script), *args], child_env(), tmp_path) for args in (["exit", "0"], ["sleep"], ["sleep"])]
+    procs[0].wait(60)  # finished before the deadline starts (an interpreter's start-up varies with the load)
+    first, hung, after = collect(procs, 2)
+    assert first is not None and first.returncode == 0
+    assert hung is None  # the one that overran the deadline
+    assert after is not None and after.returncode == -signal.SIGKILL  # killed with it
+    assert all(p.poll() is not None for p in procs)

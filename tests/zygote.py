@@ -217,6 +217,37 @@ def launch(args: list[str], env: dict[str, str], cwd: str | Path) -> Child | sub
     return Child(_server, list(args), dict(env), str(cwd))
 
 
+def collect(procs: list, timeout_s: float) -> list[subprocess.CompletedProcess | None]:
+    """Wait for ``procs`` (from :func:`launch`) within one deadline, ``timeout_s`` seconds from
+    now. The first that does not finish in time gets None and every process still running is
+    killed (the rest then give what they wrote, with their negative return codes); on any other
+    way out, every process still running is killed too."""
+    end = time.monotonic() + timeout_s
+    done: list[subprocess.CompletedProcess | None] = []
+
+    def kill_all() -> None:
+        killed = [q for q in procs if q.poll() is None]
+        for q in killed:
+            q.kill()
+        for q in killed:  # reaped: no zombie left behind, and poll() gives the signal
+            try:
+                q.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_all()
+                done.append(None)
+                continue
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        kill_all()
+    return done
+
 if __name__ == "__main__":
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     request = _serve()
