@@ -2,6 +2,8 @@
 # The sixth GPU session's checks (about 4 minutes), after the fifth's mend and the tests' new launcher:
 # - tests/test_eager.py, whose children lost the machine's PYTHONPATH in the fifth session (mended:
 #   tests/cli_driver.child_env), beside the CUDA-only tests.
+#   Since 2026-11-27's seventh stop it also runs the app with device=cuda: no torch._dynamo imported
+#   (pipeline/determinism.py sets torch's kernels' switch without the compiler's).
 # - the multi-process tests through tests/zygote.py (rank processes forked from a server that has
 #   imported torch) on another machine, Python and torch than the VM's: test_zygote, the pipeline's
 #   and the replicas' equivalence to one process.

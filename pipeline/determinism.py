@@ -15,10 +15,18 @@ did not write, and the fill was about 5 % of the transformer's training time on 
 (``FILL_UNINITIALIZED_MEMORY``). Deterministic mode itself still costs that run 1.37x, on the
 host side of torch's matrix products (``bench/deterministic_profile.py``): ``deterministic=false``
 for speed where repeatable bits do not matter.
+
+torch's ``use_deterministic_algorithms`` also sets the compiler's flag, importing
+``torch._inductor.config`` and with it ``torch._dynamo`` (1.5-2 s of a rank's start, seen on an
+H100 with torch 2.11), which an eager process otherwise skips (:mod:`pipeline.eager`). Where the
+process skips it, only the kernels' switch is set (torch's ``_C._set_deterministic_algorithms``,
+what the public call sets besides the compiler's flag); a process that compiles
+(``PIPENAS_KEEP_DYNAMO=1``, or the compiler already imported) gets the public call.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.utils.deterministic
@@ -38,7 +46,18 @@ def use_deterministic_kernels(device: str, on: bool = True) -> None:
         return
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(on, warn_only=True)
+    _set_deterministic_algorithms(on)
     torch.utils.deterministic.fill_uninitialized_memory = on and FILL_UNINITIALIZED_MEMORY
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = on
+
+
+def _set_deterministic_algorithms(on: bool) -> None:
+    """torch's deterministic-algorithms switch (warn only), without importing its compiler where
+    this process does not compile (the module doc)."""
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    compiles = os.environ.get("PIPENAS_KEEP_DYNAMO") == "1" or "torch._inductor" in sys.modules
+    if setter is None or compiles:
+        torch.use_deterministic_algorithms(on, warn_only=True)
+    else:
+        setter(on, warn_only=True)

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.cli_driver import child_env
 
@@ -95,13 +96,16 @@ def test_a_step_hook_still_runs() -> None:
     assert got == {"hook": 1}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("space", ["default", "transformer"])
-def test_a_run_imports_no_dynamo(space: str, tmp_path: Path) -> None:
-    """The app in one process on the CPU, training and searching: torch._dynamo never imported. (On
-    CUDA, torch's own ``use_deterministic_algorithms`` imports it, through ``torch._inductor.config``:
-    seen with torch 2.11 on an H100, bench/RESULTS.md's fifth GPU session.)"""
+def test_a_run_imports_no_dynamo(space: str, device: str, tmp_path: Path) -> None:
+    """The app in one process, training and searching: torch._dynamo never imported. (On CUDA,
+    torch's own ``use_deterministic_algorithms`` imported it, through ``torch._inductor.config``:
+    seen with torch 2.11 on an H100, bench/RESULTS.md's fifth GPU session; pipeline/determinism.py
+    now sets the kernels' switch alone, the test below.)"""
     overrides = ["train.steps=12", "train.warmup_steps=2", "search.population=4", "search.generations=1",
-                 "threads=1", "device=cpu", f"hydra.run.dir={tmp_path}"]
+                 "threads=1", f"device={device}", f"hydra.run.dir={tmp_path}"]
     if space == "transformer":
         overrides += ["space=transformer", "space.width=32", "space.layers=2"]
     got = _run(textwrap.dedent(f"""
@@ -111,3 +115,26 @@ def test_a_run_imports_no_dynamo(space: str, tmp_path: Path) -> None:
         print(json.dumps({{"code": code, "dynamo": "torch._dynamo" in sys.modules}}))
     """), PIPENAS_KEEP_DYNAMO="0")
     assert got == {"code": 0, "dynamo": False}
+
+
+@pytest.mark.parametrize("keep", ["0", "1"])
+def test_deterministic_kernels_without_the_compiler_unless_the_process_compiles(keep: str) -> None:
+    """pipeline/determinism.py for a CUDA device (its flags are set on any build): the kernels'
+    switch on, warn only; torch's compiler (and torch._dynamo) imported only under
+    ``PIPENAS_KEEP_DYNAMO=1``, whose public call also sets the compiler's flag."""
+    got = _run(textwrap.dedent("""
+        import json, sys, torch
+        from pipeline.determinism import use_deterministic_kernels
+        use_deterministic_kernels("cuda:0")
+        on = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        inductor = "torch._inductor.config" in sys.modules
+        flag = sys.modules["torch._inductor.config"].deterministic if inductor else None
+        use_deterministic_kernels("cuda:0", on=False)
+        print(json.dumps({"on": on, "off": torch.are_deterministic_algorithms_enabled(), "inductor": inductor,
+                          "flag": flag, "dynamo": "torch._dynamo" in sys.modules}))
+    """), PIPENAS_KEEP_DYNAMO=keep)
+    assert got["on"] == [True, True] and got["off"] is False
+    if keep == "1":
+        assert got["inductor"] and got["flag"] is True
+    else:
+        assert got == {**got, "inductor": False, "dynamo": False}
