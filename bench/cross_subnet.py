@@ -52,6 +52,11 @@ moves after the update before):
   setting has the runtime's split (``pipeline.schedule=zbh1``): its default cap, ``P`` on every
   stage (ZB-H1's rule: any stage may hold what 1F1B's first one holds), beside the runtime's
   default without the split (1F1B's cap, eps 0.05).
+* ``byte_caps`` rows (``--byte-caps``; fair/delayed): the runtime's settings (1F1B's cap without
+  the split, ZB-H1's with it, eps 0.05) with each stage's in-flight cap counted in activation
+  bytes, the count cap's worst case (``pipeline.plan.admission.ActivationCap.like``: the same
+  peak, more micro-batches of the subnets that keep less there), beside the count cap
+  (``count_cap_*``, ``over_count_cap``); ``activation_bytes_max_over_mean`` per stage.
 * ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
 
 Real rows (``--mode real``: gloo runs of the app on this machine, P = 2, M = 4, alternating
@@ -77,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench._spawn import emit, progress  # noqa: E402
 from bench.naspipe_planner import SOURCES  # noqa: E402
-from pipeline.plan.admission import SubnetWork, cross_subnet  # noqa: E402
+from pipeline.plan.admission import ActivationCap, SubnetWork, cross_subnet, stage_caps  # noqa: E402
 from pipeline.plan.clock import WEIGHT_SHARE  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_cost, subnet_problem  # noqa: E402
 from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
@@ -195,6 +200,19 @@ def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05
     return work, origin, {op: space.move[op] for op in origin}
 
 
+def activation_bytes(space: Space, archs: Sequence, bounds: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Per subnet and stage, the activation bytes one micro-batch keeps there between its forward
+    and backward: its ops' saved tensors and the stage's input (the partitioner's memory model)."""
+    ops, out_bytes = space.table.ops, space.table.out_bytes
+    rows = []
+    for a, b in zip(archs, bounds):
+        active = space.graph.active_ops(a)
+        rows.append(tuple(int(sum(ops[o.op_id].act_bytes for o in active[b[s]:b[s + 1]])
+                              + (out_bytes[active[b[s] - 1].node] if b[s] > 0 else out_bytes["input"]))
+                          for s in range(len(b) - 1)))
+    return rows
+
+
 # ------------------------------------------------------------------------------ the figures
 
 
@@ -210,16 +228,21 @@ def _flush_1f1b(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int]) -
 
 def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: int, shared: frozenset[str],
             origin: Mapping[str, int], state_time: Mapping[str, float], cap: int | None = 1,
-            split: bool = False, delays: Mapping[str, int] | None = None) -> dict:
+            split: bool = False, delays: Mapping[str, int] | None = None,
+            per_microbatch: Sequence[Sequence[int]] | None = None) -> dict:
     """Utilisation and makespan of the cross-subnet schedule of ``work``; ``cap``: the in-flight
     cap per stage in multiples of 1F1B's ``P - s`` (None: the builder's default, 1F1B's, or with
     the split ``P`` on every stage); ``split``: every backward split into B and W; ``delays``: a
-    shared op's own delay (``pipeline.shared_delays``)."""
+    shared op's own delay (``pipeline.shared_delays``); ``per_microbatch``: each subnet's
+    activation bytes per micro-batch and stage (:func:`activation_bytes`): the cap then counts
+    bytes, the count cap's worst case (``ActivationCap.like``)."""
     P = len(work[0].uses)
     late, own = read_late(mode, shared, delay, delays or {})
-    kw = dict(origin=origin, state_time=state_time, cap=None if cap is None else [cap * (P - s) for s in range(P)],
+    counts = stage_caps(P, split) if cap is None else [cap * (P - s) for s in range(P)]
+    kw = dict(origin=origin, state_time=state_time, cap=None if cap is None else counts,
               frozen=shared if mode == "frozen" else frozenset(),
-              delayed=late, delay=delay if mode == "delayed" else 0, delays=own)
+              delayed=late, delay=delay if mode == "delayed" else 0, delays=own,
+              activations=None if per_microbatch is None else ActivationCap.like(counts, per_microbatch))
     sched = cross_subnet(work, M, window, split=split, **kw)
     r = simulate(sched, work=work, state_time=state_time)
     return {"utilisation": sum(r.busy) / (P * r.step_time), "makespan_s": r.step_time,
@@ -245,14 +268,14 @@ def grid(P: int, M: int, mode: str, subnets: int) -> list[tuple[int, int]]:
 
 
 def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1, split: bool = False,
-           delays: Mapping[str, int] | None = None) -> dict:
+           delays: Mapping[str, int] | None = None, per_microbatch: Sequence[Sequence[int]] | None = None) -> dict:
     """The smallest (window, delay) of :func:`grid` meeting the row's target, else the best
     (the grid is cut short where utilisation stops growing: twice no gain of 0.002, once for
     exact shared ops, which flush at their stages whatever the window)."""
     P = len(work[0].uses)
     goal, tried, best, flat = target(P, M), [], None, 0
     for window, delay in grid(P, M, mode, len(work)):
-        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split, delays)
+        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split, delays, per_microbatch)
         tried.append({"window": window, "delay": delay, "utilisation": round(f["utilisation"], 4)})
         if f["utilisation"] >= goal:
             return {"window": window, "delay": delay, **f, "choice": "smallest meeting the target", "grid": tried}
@@ -298,15 +321,19 @@ def split_row(P: int, M: int, sampler: str, stream: tuple, shared: frozenset[str
 
 def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, seed: int,
                    modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True,
-                   bw_split: bool = True, delays: Mapping[str, int] | None = None) -> list[dict]:
+                   bw_split: bool = True, delays: Mapping[str, int] | None = None,
+                   byte_caps: bool = False) -> list[dict]:
     """Every simulated row of one (P, M, sampler): one per shared-op mode (the runtime's planner
     tolerance ``eps``, 1F1B's in-flight cap); NASPipe's rule (uniform); for fair/delayed, the
     options (``cross_subnet_options``: the best balance, eps = 0, and twice 1F1B's cap, i.e.
     twice its activation memory), per-window against per-subnet partitions, and (``bw_split``)
-    each of those settings with the B/W split beside it without."""
+    each of those settings with the B/W split beside it without; (``byte_caps``, fair/delayed)
+    the runtime's settings with the in-flight cap counted in activation bytes (``byte_caps`` rows)
+    beside the count cap."""
     s = make_sampler(sampler, space.graph.space(), seed)
     archs = [s.next() for _ in range(subnets)]
-    work, origin, state_time = plan_stream(space, archs, P, M, eps)
+    bounds: list = []
+    work, origin, state_time = plan_stream(space, archs, P, M, eps, bounds_out=bounds)
     shared = shared_ops_of(space.graph)
     flush = flush_figures(work, M, origin, state_time)
     out = []
@@ -350,6 +377,19 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
             out.append(split_row(P, M, sampler, streams[e], shared, picked, subnets, seed, cap, e))
         # the runtime's split: its default cap (ZB-H1's rule), beside the runtime without the split
         out.append(split_row(P, M, sampler, streams[eps], shared, unsplit[(eps, 1)], subnets, seed, None, eps))
+    if byte_caps:
+        per = activation_bytes(space, archs, bounds)
+        for split, cap in ((False, 1), (True, None)):  # the runtime's caps, without and with the split
+            counted = unsplit[(eps, 1)] if not split else choose(work, M, "delayed", shared, origin, state_time, cap,
+                                                                  split=True)
+            picked = choose(work, M, "delayed", shared, origin, state_time, cap, split=split, per_microbatch=per)
+            r = row(P, M, sampler, "delayed", picked, flush, subnets, seed, bench="byte_caps", cap=cap, eps=eps)
+            r.update(split=split, cap=f"{r['cap']}, counted in activation bytes (the count cap's worst case)",
+                     count_cap_utilisation=counted["utilisation"], count_cap_window=counted["window"],
+                     over_count_cap=counted["makespan_s"] / picked["makespan_s"],  # throughput, the same subnets
+                     activation_bytes_max_over_mean=[round(max(r_[k] for r_ in per) * len(per)
+                                                           / sum(r_[k] for r_ in per), 3) for k in range(P)])
+            out.append(r)
     return out
 
 
@@ -357,17 +397,19 @@ def verdicts(rows: Sequence[dict]) -> list[dict]:
     """The issue's simulated targets (fair sampler, delayed shared ops), met or missed, with the figure."""
     out = []
     for r in rows:
-        if r["bench"] not in ("cross_subnet", "cross_subnet_options", "bw_split") or r["sampler"] != "fair" \
-                or r["shared_ops"] != "delayed":
+        if r["bench"] not in ("cross_subnet", "cross_subnet_options", "bw_split", "byte_caps") \
+                or r["sampler"] != "fair" or r["shared_ops"] != "delayed":
             continue
         how = {"window": r["window"], "delay": r["delay"], "cap": r["cap"], "eps": r["eps"], "from": r["bench"]}
-        split = r["bench"] == "bw_split"
-        if split:
+        split = r["bench"] == "bw_split" or (r["bench"] == "byte_caps" and r["split"])
+        if r["bench"] == "bw_split":
             how["without_split"] = r["unsplit_utilisation"]
+        if r["bench"] == "byte_caps":
+            how["count_cap"] = r["count_cap_utilisation"]
         out.append({"bench": "cross_subnet_verdict", "what": f"utilisation >= {r['target_utilisation']} at "
                     f"P={r['P']}, M={r['M']}" + (" with the B/W split" if split else ""),
                     "figure": r["utilisation"], "met": r["target_met"], **how})
-        if (r["P"], r["M"]) == (4, 4) and not split:
+        if (r["P"], r["M"]) == (4, 4) and r["bench"] in ("cross_subnet", "cross_subnet_options"):
             out.append({"bench": "cross_subnet_verdict", "what": "throughput >= 1.5x flushed 1F1B at P=4, M=4",
                         "figure": r["over_flush"], "met": r["over_flush"] >= 1.5,
                         "over_flush_1f1b": r["over_flush_1f1b"], **how})
@@ -389,6 +431,8 @@ def main() -> None:
     ap.add_argument("--no-options", action="store_true", help="skip the eps = 0 / 2x cap / per-window rows")
     ap.add_argument("--no-bw-split", action="store_true", help="skip the bw_split rows (fair, delayed: each "
                     "setting with every backward split into B and W, beside it without)")
+    ap.add_argument("--byte-caps", action="store_true", help="add the byte_caps rows (fair, delayed: the "
+                    "runtime's caps counted in activation bytes, the count cap's worst case, beside the count cap)")
     ap.add_argument("--shared-delays", nargs="*", default=[], metavar="OP=D",
                     help="a shared op's own delay in the delayed rows (pipeline.shared_delays), e.g. head=1")
     args, rest = ap.parse_known_args()
@@ -411,7 +455,7 @@ def main() -> None:
             for sampler in args.samplers:
                 t0 = time.perf_counter()
                 got = simulated_rows(space, P, M, sampler, args.subnets, args.seed, args.shared_ops, args.eps,
-                                     not args.no_options, not args.no_bw_split, delays)
+                                     not args.no_options, not args.no_bw_split, delays, args.byte_caps)
                 for r in got:
                     r["loadavg"] = os.getloadavg()[0]
                 rows += got

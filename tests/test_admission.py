@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 
-from pipeline.plan.admission import ArenaBound, SubnetWork, _admit, cross_subnet, flushed, sequential
+from pipeline.plan.admission import (
+    ActivationCap, ArenaBound, SubnetWork, _admit, cross_subnet, flushed, sequential, stage_caps,
+)
 from pipeline.plan.schedule import Action, Schedule, ScheduleError, Wait, max_in_flight, one_f_one_b, validate
 from pipeline.plan.simulate import simulate
 from test_schedule import _subnets
@@ -478,3 +481,82 @@ def test_an_arena_bound_keeps_the_subnets_in_flight_within_it() -> None:
     tight = validate(cross_subnet(work, M, 3, arena=ArenaBound((100,) * P, footprint)))
     roomy = validate(cross_subnet(work, M, 3, arena=ArenaBound((120,) * P, footprint)))
     assert overlaps(free) > 0 and overlaps(tight) == 0 and overlaps(roomy) > 0
+
+
+# ------------------------------------------------------------------ activations capped in bytes
+
+
+def _held_peak(sched: Schedule, per_microbatch) -> list[int]:
+    """Per stage, the most activation bytes held at once along its list (a micro-batch's from its
+    forward to its backward, or to its weight gradient when the backward is split)."""
+    split = any(a.kind == "W" for row in sched.actions for a in row)
+    out = []
+    for s, row in enumerate(sched.actions):
+        held = peak = 0
+        for a in row:
+            if a.kind == "F":
+                held += per_microbatch[a.subnet][s]
+            elif a.kind == ("W" if split else "B"):
+                held -= per_microbatch[a.subnet][s]
+            peak = max(peak, held)
+        out.append(peak)
+    return out
+
+
+@pytest.mark.parametrize("mode,seed", CASES[::4])
+@pytest.mark.parametrize("split", [False, True])
+def test_equal_footprints_give_the_count_caps_schedule(mode: str, seed: int, split: bool) -> None:
+    rng = random.Random(seed * 7 + MODES.index(mode))
+    work, M, window, kw = random_instance(rng, mode)
+    P, size = len(work[0].uses), rng.randint(1, 1000)
+    caps = ActivationCap.like(stage_caps(P, split), [(size,) * P] * len(work))
+    counted = cross_subnet(work, M, window, split=split, **kw)
+    assert cross_subnet(work, M, window, split=split, activations=caps, **kw).actions == counted.actions
+
+
+@pytest.mark.parametrize("mode,seed", CASES[::2])
+@pytest.mark.parametrize("split", [False, True])
+def test_byte_caps_keep_the_semantics_the_window_and_the_count_caps_peak(mode: str, seed: int, split: bool) -> None:
+    """Random footprints per subnet and stage: a valid schedule with the sequential semantics,
+    the window kept, and no stage ever holding more bytes than the count cap's worst case."""
+    rng = random.Random(seed * 11 + MODES.index(mode))
+    work, M, window, kw = random_instance(rng, mode)
+    P = len(work[0].uses)
+    per = [tuple(rng.randint(1, 100) for _ in range(P)) for _ in work]
+    caps = ActivationCap.like(stage_caps(P, split), per)
+    sched = cross_subnet(work, M, window, split=split, activations=caps, **kw)
+    assert validate(sched) is sched
+    check_sequential_semantics(sched, {op: mode for op in ("stem", "head")}, kw["delay"])
+    check_window(sched, window)
+    assert all(peak <= cap for peak, cap in zip(_held_peak(sched, per), caps.capacity))
+
+
+def test_a_stage_holds_more_micro_batches_of_lighter_subnets() -> None:
+    """P = 2, M = 4, the last stage slower: 1F1B's cap lets stage 0 hold 2 micro-batches; subnets
+    half as heavy there as the heaviest hold 4 in the same bytes, and the run is shorter."""
+    P, M = 2, 4
+    work = [SubnetWork((frozenset(), frozenset()), (1.0, 2.0), (1.0, 2.0), (0.0,), (0.0, 0.0)) for _ in range(4)]
+    per = [(10, 10), (5, 10), (5, 10), (5, 10)]
+    counted = cross_subnet(work, M, 4)
+    capped = cross_subnet(work, M, 4, activations=ActivationCap.like(stage_caps(P), per))
+    assert max_in_flight(counted)[0] == 2 and max_in_flight(capped)[0] == 4
+    assert _held_peak(capped, per)[0] <= 20
+    assert simulate(capped, work=work).step_time <= simulate(counted, work=work).step_time
+
+
+def test_a_lone_micro_batch_larger_than_the_cap_still_runs() -> None:
+    work = [_work([set(), set()]) for _ in range(2)]
+    sched = cross_subnet(work, 2, 2, activations=ActivationCap((5, 5), ((9, 9), (9, 9))))
+    assert validate(sched) is sched and max(max_in_flight(sched)) == 1
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(capacity=(1, 2, 3), per_microbatch=((1, 1),)), "per_microbatch[0]"),
+    (dict(capacity=(1, -2), per_microbatch=((1, 1),)), "capacity"),
+    (dict(capacity=(1, 2), per_microbatch=((1.5, 1),)), "per_microbatch[0]"),
+])
+def test_activation_caps_of_the_wrong_shape_are_named(bad: dict, field: str) -> None:
+    with pytest.raises(ScheduleError, match=re.escape(f"ActivationCap.{field}:")):
+        ActivationCap(**bad)
+    with pytest.raises(ScheduleError, match="activations expected 3 subnets x 2 stages"):
+        cross_subnet([_work([set(), set()])] * 3, 2, 2, activations=ActivationCap((4, 4), ((1, 1),)))

@@ -9,8 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cross_subnet import (  # noqa: E402
-    NASPIPE_WINDOW, Space, build_space, figures, flush_figures, grid, plan_stream, simulated_rows, target, verdicts,
-    weight_grad,
+    NASPIPE_WINDOW, Space, activation_bytes, build_space, figures, flush_figures, grid, plan_stream, simulated_rows,
+    target, verdicts, weight_grad,
 )
 from pipeline.plan.costs import analytic_costs  # noqa: E402
 from pipeline.plan.placement import initial_owners  # noqa: E402
@@ -155,3 +155,22 @@ def test_verdicts_judge_fair_delayed_rows_only(rows: list[dict]) -> None:
         assert ("with the B/W split" in line["what"]) == (r["bench"] == "bw_split")
         if r["bench"] == "bw_split":
             assert line["without_split"] == r["unsplit_utilisation"]
+
+
+def test_byte_caps_rows_hold_the_count_caps_peak_and_name_their_baseline(space: Space) -> None:
+    archs = _archs(space, 12)
+    bounds: list = []
+    plan_stream(space, archs, 4, 2, bounds_out=bounds)
+    per = activation_bytes(space, archs, bounds)
+    for arch, b, row in zip(archs, bounds, per):
+        active = space.graph.active_ops(arch)
+        assert sum(row) == sum(space.table.ops[o.op_id].act_bytes for o in active) + sum(
+            space.table.out_bytes[active[b[s] - 1].node] if b[s] > 0 else space.table.out_bytes["input"]
+            for s in range(4))
+    got = [r for r in simulated_rows(space, 4, 2, "fair", subnets=12, seed=0, modes=("delayed",), options=False,
+                                     bw_split=False, byte_caps=True) if r["bench"] == "byte_caps"]
+    assert [r["split"] for r in got] == [False, True]
+    for r in got:
+        assert r["over_count_cap"] == pytest.approx(r["utilisation"] / r["count_cap_utilisation"])
+        assert all(x >= 1.0 for x in r["activation_bytes_max_over_mean"])
+    assert any(v["from"] == "byte_caps" and "count_cap" in v for v in verdicts(got))

@@ -18,7 +18,9 @@ ready action of highest priority (an update, then a backward, then a forward; ol
 micro-batches first), and a stage holds at most ``cap[s]`` micro-batches between forward and
 backward (by default :func:`stage_caps`: 1F1B's ``P - s``, now across subnet boundaries;
 with the split, ``P`` on every stage, ZB-H1's rule: any stage may hold what 1F1B's first one
-holds). With ``split``,
+holds; with an :class:`ActivationCap`, a byte budget per stage instead: as many micro-batches as
+their activations fit, so a stage holds more of the subnets whose activations there are small).
+With ``split``,
 each backward is two actions (zero-bubble pipelines, Qi et al. 2024): ``B``, the input gradient
 the stage before waits for, chosen as above, and ``W``, the weight gradient nobody waits for but
 the subnet's update, run only when nothing else is ready on its stage (so it never delays a ready
@@ -44,7 +46,7 @@ from .clock import Clock
 from .schedule import Action, Schedule, ScheduleError, WaitRule
 from .values import SubnetWork
 
-__all__ = ["ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential", "stage_caps"]
+__all__ = ["ActivationCap", "ArenaBound", "SubnetWork", "cross_subnet", "flushed", "in_flight_bound", "sequential", "stage_caps"]
 
 _PRIORITY = {"U": 0, "B": 1, "F": 2, "W": 3}
 
@@ -63,22 +65,62 @@ class ArenaBound:
         return sum(self.footprint.get(op, 0) for op in ops)
 
 
+@dataclass(frozen=True)
+class ActivationCap:
+    """The activations a stage may hold between forwards and their backwards (their weight
+    gradients, when split), in bytes rather than micro-batches: ``capacity[s]`` per stage and
+    ``per_microbatch[t][s]``, what one micro-batch of subnet ``t`` keeps on stage ``s``. A
+    forward may start when its micro-batch fits beside those held (a stage holding none takes
+    any one: the planner checks that a lone micro-batch fits). :meth:`like` gives every stage
+    the bytes that a cap of so many micro-batches would need for the subnet that keeps the most
+    there: the same peak as that count cap, with more micro-batches held for the lighter subnets.
+    Subnets of equal footprints there get exactly the count cap's schedule."""
+
+    capacity: tuple[int, ...]
+    per_microbatch: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity", tuple(self.capacity))
+        object.__setattr__(self, "per_microbatch", tuple(tuple(row) for row in self.per_microbatch))
+        P = len(self.capacity)
+        for name, values in (("capacity", self.capacity), *((f"per_microbatch[{t}]", row)
+                                                           for t, row in enumerate(self.per_microbatch))):
+            # whole bytes: the builder adds and subtracts them, and must not drift off the cap
+            if len(values) != P or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+                raise ScheduleError(f"ActivationCap.{name}: expected {P} whole byte counts >= 0 (one per stage), "
+                                    f"found {values!r:.120}")
+
+    @classmethod
+    def like(cls, counts: Sequence[int], per_microbatch: Sequence[Sequence[int]]) -> "ActivationCap":
+        """The byte cap with the peak of the count cap ``counts`` (micro-batches per stage)."""
+        P = len(counts)
+        rows = [tuple(r) for r in per_microbatch]
+        if not rows or any(len(r) != P for r in rows):
+            raise ScheduleError(f"ActivationCap.like: expected a row of {P} byte counts per subnet, found "
+                                f"{[len(r) for r in rows]}")
+        return cls(tuple(c * max(r[s] for r in rows) for s, c in enumerate(counts)), tuple(rows))
+
+
 def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int, *,
                  frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(), delay: int = 0,
                  origin: Mapping[str, int] | None = None, state_time: Mapping[str, float] | None = None,
                  cap: Sequence[int] | None = None, name: str = "cross", arena: ArenaBound | None = None,
-                 split: bool = False, delays: Mapping[str, int] | None = None) -> Schedule:
+                 split: bool = False, delays: Mapping[str, int] | None = None,
+                 activations: ActivationCap | None = None) -> Schedule:
     """The schedule of ``work`` (subnets in training order) with at most ``window`` unfinished.
 
     ``state_time[op]``: seconds an op's move takes (default 0); ``origin``: each op's stage
     before the first action; ``arena``: the tensor manager's bound (None: every op resident);
     ``split``: split every backward into ``B`` (input gradient) and ``W`` (weight gradient,
     ``SubnetWork.bwd_weight`` seconds), each ``W`` run where its stage would otherwise idle;
-    ``delays``: a delayed op's own delay where not ``delay`` (:class:`Schedule`). Raises
+    ``delays``: a delayed op's own delay where not ``delay`` (:class:`Schedule`); ``activations``:
+    a byte cap per stage in place of ``cap``'s micro-batch counts (``cap`` then only says which
+    stages hold more than one micro-batch: the rule for subnets that run ahead). Raises
     :class:`ScheduleError` for inputs of the wrong shape.
     """
     return _admit(work, num_microbatches, window, frozen=frozen, delayed=delayed, delay=delay, origin=origin,
-                  state_time=state_time, cap=cap, name=name, arena=arena, split=split, delays=delays)[0]
+                  state_time=state_time, cap=cap, name=name, arena=arena, split=split, delays=delays,
+                  activations=activations)[0]
 
 
 def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, frozen: frozenset[str] = frozenset(),
@@ -112,7 +154,8 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
            delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None,
            state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str,
            arena: ArenaBound | None = None, split: bool = False,
-           delays: Mapping[str, int] | None = None) -> tuple[Schedule, Clock]:
+           delays: Mapping[str, int] | None = None,
+           activations: ActivationCap | None = None) -> tuple[Schedule, Clock]:
     """:func:`cross_subnet`, and the clock that timed its choices (the builder's estimates)."""
     if not work:
         raise ScheduleError("cross_subnet: expected at least one subnet, found none")
@@ -124,6 +167,9 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     cap = tuple(cap) if cap is not None else stage_caps(P, split)
     if len(cap) != P or any(c < 1 for c in cap):
         raise ScheduleError(f"cross_subnet: cap expected {P} values >= 1, found {cap!r}")
+    if activations is not None and (len(activations.capacity) != P or len(activations.per_microbatch) != T):
+        raise ScheduleError(f"cross_subnet: activations expected {T} subnets x {P} stages, found "
+                            f"{len(activations.per_microbatch)} x {len(activations.capacity)}")
     uses = tuple(w.uses for w in work)
     rule = WaitRule(P, M, T, uses, frozenset(frozen), frozenset(delayed), delay,
                     dict(origin) if origin is not None else None, updates=True,
@@ -141,6 +187,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     nw = [[0] * T for _ in range(P)] if split else nb  # the next weight gradient's (unsplit: none to run)
     updated = [[False] * T for _ in range(P)]
     live = [0] * P  # micro-batches between forward and backward (its weight gradient when split)
+    held = [0] * P  # their activations' bytes (with an ActivationCap)
     done_stages = [0] * T
     lo = 0  # the oldest unfinished subnet
 
@@ -178,8 +225,16 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
         if any(nf[s][u] == 0 for u in range(lo, t)):
             return False
         flight = [u for u in range(lo, t) if not updated[s][u]]
-        held = frozenset().union(uses[t][s], *(uses[u][s] for u in flight))
-        return not flight or arena.bytes_of(held) <= arena.capacity[s]
+        pinned = frozenset().union(uses[t][s], *(uses[u][s] for u in flight))
+        return not flight or arena.bytes_of(pinned) <= arena.capacity[s]
+
+    def slot(t: int, s: int) -> bool:
+        """Whether a micro-batch of subnet ``t`` may begin on stage ``s``: under the count cap
+        or, with an :class:`ActivationCap`, its activations fit beside those held (a stage holding
+        none takes any)."""
+        if activations is None:
+            return live[s] < cap[s]
+        return live[s] == 0 or held[s] + activations.per_microbatch[t][s] <= activations.capacity[s]
 
     def candidates(s: int) -> list[int]:
         out = []
@@ -187,7 +242,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
         ahead: bool | None = None  # may a subnet that waits further down run ahead on this stage?
         for t in admitted:
             f, b = nf[s][t], nb[s][t]
-            if f < M and live[s] < cap[s] and room(t, s):
+            if f < M and slot(t, s) and room(t, s):
                 if blocked(t, s):
                     if ahead is None:
                         ahead = cap[s] > 1 and not any(nf[s][u] > nw[s][u] and blocked(u, s) for u in admitted)
@@ -234,15 +289,20 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
         a = acts[i]
         rows[s].append(a)
         remaining -= 1
+        kept = activations.per_microbatch[a.subnet][s] if activations is not None else 0
         if a.kind == "F":
             nf[s][a.subnet] += 1
             live[s] += 1
+            held[s] += kept
         elif a.kind == "B":
             nb[s][a.subnet] += 1
-            live[s] -= not split
+            if not split:
+                live[s] -= 1
+                held[s] -= kept
         elif a.kind == "W":
             nw[s][a.subnet] += 1
             live[s] -= 1
+            held[s] -= kept
         else:
             updated[s][a.subnet] = True
             done_stages[a.subnet] += 1
