@@ -17,7 +17,9 @@ steps, the transformer (``space=transformer space.width=256 space.layers=8``) fo
 default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB-H1),
 ``window4`` (two stages, ``pipeline.window=4 pipeline.shared_ops=delayed``; ``window4_zbh1``
 with the split), ``window4_d3`` and ``window4_d3_head1`` (``window4`` with D = 3, and with the
-head read one update late: ``pipeline.shared_delays={head:1}``), ``stages1``
+head read one update late: ``pipeline.shared_delays={head:1}``), ``window4_d3_bytes`` and
+``window4_zbh1_bytes`` (``window4_d3`` and ``window4_zbh1`` with ``pipeline.inflight=bytes``: each
+stage's in-flight cap in activation bytes), ``stages1``
 (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
 pipeline.window=auto``: the layout chooser's pick, the default under torchrun), and, as the
 ceiling of two processes on this machine rather than a layout, ``two_halves``: two one-process
@@ -71,6 +73,12 @@ LAYOUTS = {  # name: (processes, overrides)
                        "pipeline.shared_delay=3"]),
     "window4_d3_head1": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
                              "pipeline.shared_delay=3", "pipeline.shared_delays={head:1}"]),
+    # the in-flight cap counted in activation bytes (pipeline.inflight=bytes; the same weights as
+    # without it): window4_d3 and window4_zbh1 with it
+    "window4_d3_bytes": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                             "pipeline.shared_delay=3", "pipeline.inflight=bytes"]),
+    "window4_zbh1_bytes": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                               "pipeline.schedule=zbh1", "pipeline.inflight=bytes"]),
     "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
     "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
     # the ceiling of two processes here, not a layout: two one-process runs at once, each on half the

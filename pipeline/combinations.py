@@ -55,6 +55,12 @@ LIMITS: tuple[Limit, ...] = (
           lambda r: f"pipeline.memory_budget_bytes {r.pipeline.memory_budget_bytes!r} beside a tensor-manager budget",
           "the manager's arena bounds each stage's split",
           "set pipeline.memory_budget_bytes=null"),
+    Limit("pipeline.inflight / pipeline.memory_budget_bytes, memory.device_budget_bytes",
+          lambda r: r.pipeline.inflight == "bytes" and (r.memory.virtual or r.pipeline.memory_budget_bytes is not None),
+          lambda r: "inflight 'bytes' with a memory budget",
+          "a stage may then hold more micro-batches of a subnet than the split and the activation plan were "
+          "checked with (the cap counts the heaviest subnet's bytes, not each subnet's own plan)",
+          "set pipeline.inflight=count"),
 )
 
 

@@ -51,6 +51,9 @@ class Plan:
     # why no activation plan fits memory.activation_budget_bytes: raised only when the subnet is
     # trained (an evaluation keeps no activations, so a subnet the search scores never needs one)
     activation_error: str | None = None
+    # per stage, the activation bytes one micro-batch keeps there between its forward and
+    # backward (its ops' saved tensors and the stage's input, from the cost table)
+    kept: tuple[int, ...] = ()
 
     def stage_activations(self, stage: int) -> Mapping[str, str] | None:
         """Stage ``stage``'s activation choice per op for training (None: every op keeps them)."""
@@ -170,8 +173,11 @@ class LookaheadPlanner:
             refused = str(e)
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         slices = cut(active, part.bounds, self.graph.output)
+        b = part.bounds
+        kept = tuple(int(sum(op.act_bytes for op in problem.ops[b[k]:b[k + 1]]) + problem.cut_bytes[b[k]])
+                     for k in range(self.num_stages))
         return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts, work=self._work(problem, part, slices),
-                    activation_error=refused)
+                    activation_error=refused, kept=kept)
 
     def _work(self, problem, part: Partition, slices: Sequence[Slice]) -> SubnetWork:
         """What a cross-subnet schedule needs of this plan: each stage's ops with state and the

@@ -50,7 +50,7 @@ from .memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from .memory.peer import open_peer, peer_needed
 from .memory.sizing import op_footprints
 from .migration import Migrator
-from .plan.admission import ArenaBound, cross_subnet, sequential
+from .plan.admission import ActivationCap, ArenaBound, cross_subnet, sequential, stage_caps
 from .plan.costs import CostTable
 from .plan.placement import initial_owners
 from .plan.schedule import Schedule, build as build_schedule, format_grid, validate
@@ -313,7 +313,15 @@ class PipelineEngine:
             delayed=self.shared.delayed & used, delay=self.settings.shared_delay, delays=self.shared.own_delays,
             origin=origin,
             state_time=self.planner.move_seconds(), arena=self._arena_bound(),
-            split=self.settings.split_backward))  # the B/W split, each W where its stage idles
+            split=self.settings.split_backward,  # the B/W split, each W where its stage idles
+            activations=self._activation_cap(plans)))
+
+    def _activation_cap(self, plans: Sequence[Plan]) -> ActivationCap | None:
+        """With ``pipeline.inflight=bytes``: each stage's in-flight cap in the activation bytes the
+        count cap needs for the plans' heaviest subnet there (None: the count cap)."""
+        if self.settings.inflight != "bytes":
+            return None
+        return ActivationCap.like(stage_caps(self.num_stages, self.settings.split_backward), [p.kept for p in plans])
 
     def _prepare(self, archs: Sequence[Arch], owners: Mapping[str, int], prior: Arch | None,
                  tail: Arch | None) -> _Prepared:

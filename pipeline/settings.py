@@ -49,6 +49,11 @@ class PipelineSettings:
     :class:`pipeline.shared.SharedOps` runs it, in the reference and the pipeline alike.
     ``shared_delays`` (delayed shared ops only): op id -> that op's own delay instead of
     ``shared_delay`` (0: read exactly); which ops exist is checked against the space.
+    ``inflight`` (cross-subnet schedules only): how a stage's cap on the micro-batches it holds
+    between forward and backward is counted: ``count`` (1F1B's ``P - s``; ``P`` with the B/W
+    split) or ``bytes`` (the activation bytes that count needs for the subnet that keeps the most
+    there, from the cost table: the same peak, more micro-batches of the lighter subnets;
+    :class:`pipeline.plan.admission.ActivationCap`).
     """
 
     stages: int | str | None = None
@@ -71,6 +76,7 @@ class PipelineSettings:
     reduce: str = "exact"
     delay_compensation: str = "predict"
     delay_compensation_coef: float = 1.0
+    inflight: str = "count"
 
     @property
     def cross(self) -> bool:
@@ -126,6 +132,8 @@ class PipelineSettings:
         if self.shared_ops not in SHARED_MODES:
             raise ValueError(f"pipeline.shared_ops: expected 'exact', 'delayed' or 'frozen', found {self.shared_ops!r}")
         check_compensation(self.delay_compensation, self.delay_compensation_coef)
+        if self.inflight not in ("count", "bytes"):
+            raise ValueError(f"pipeline.inflight: expected 'count' or 'bytes', found {self.inflight!r}")
         if self.reduce not in ("exact", "fast"):
             raise ValueError(f"pipeline.reduce: expected 'exact' or 'fast', found {self.reduce!r}")
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -39,3 +39,13 @@ def test_the_readme_shows_the_table() -> None:
     block = re.search(r"<!-- combinations:[^\n]*-->\n(.*?)\n<!-- end combinations -->", text, re.S)
     assert block is not None and block.group(1) == limits_table(), "regenerate the README's table"
     assert len(LIMITS) == limits_table().count("\n") - 1
+
+
+def test_byte_caps_with_a_memory_budget_are_one_line() -> None:
+    for pipe, memory in ((PipelineSettings(inflight="bytes", memory_budget_bytes=1e6), None),
+                         (PipelineSettings(inflight="bytes", window=4), MemorySettings(device_budget_bytes=10**6))):
+        with pytest.raises(CombinationError, match=r"^pipeline.inflight / pipeline.memory_budget_bytes, memory.devi"):
+            check(pipe, memory)
+    check(PipelineSettings(inflight="bytes", window=4), MemorySettings())  # all resident: combines
+    with pytest.raises(ValueError, match="pipeline.inflight: expected 'count' or 'bytes', found 'pages'"):
+        PipelineSettings(inflight="pages")

@@ -4,7 +4,8 @@ Several subnets in flight (``pipeline.window``), P = 2 and 3 gloo ranks, the thr
 spaces, random and fair subnet streams, ops migrating between stages: per-step and
 per-micro-batch losses, evaluations and the final params_digest equal the reference's, in each
 shared-op mode (exact: sequential training; delayed and frozen: the reference runs the same
-semantics), with and without the B/W split. The delayed runs cross checkpoint boundaries, where reads of old versions restart.
+semantics), with and without the B/W split, with the in-flight cap counted in micro-batches or in
+activation bytes. The delayed runs cross checkpoint boundaries, where reads of old versions restart.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ SCENARIOS = [
     Scenario("transformer", "zbh1", steps=6, segment=6, optimizer="adamw", sampler="fair",
              extra={**MIGRATING, "window": 3, "shared_ops": "delayed", "shared_delay": 1}),
     Scenario("conv", "zbh1", steps=6, segment=6, extra={**MIGRATING, "window": 4}, eval_archs=1),
+    # the in-flight cap counted in activation bytes (pipeline.inflight=bytes): lighter subnets hold more
+    Scenario("transformer", "1f1b", steps=8, segment=8, sampler="fair",
+             extra={**MIGRATING, "window": 4, "shared_ops": "delayed", "shared_delay": 3, "inflight": "bytes"}),
+    Scenario("conv", "zbh1", steps=8, segment=8, extra={**MIGRATING, "window": 4, "inflight": "bytes"}),
 ]
 
 
@@ -48,6 +53,8 @@ def test_cross_subnet_pipeline_is_bit_identical_to_reference(stages: int) -> Non
         migrated[sc.space] = migrated.get(sc.space, 0) + got["migrated"]
         if sc.extra.get("shared_ops", "exact") != "exact":  # (exact: the stem on stage 0 serialises them)
             assert got["overlapped"] > 0, f"{label}: no subnet began before the one before ended"
+        if sc.extra.get("inflight") == "bytes":  # stage 0 held more than its count cap, P (1F1B: P - 0; ZB-H1: P)
+            assert got["peak_in_flight"][0] > stages, label
     for space in ("transformer", "conv"):  # (the cell space's splits here keep its convolutions in place)
         assert migrated[space] > 0, f"no op moved in the {space} runs at P={stages}: the test would not cover migration"
     print("ops moved per space:", migrated)
