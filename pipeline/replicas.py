@@ -24,8 +24,9 @@ running statistics are a chain too (each micro-batch's forward updates them): re
 record each batch-norm input of the step and replay the update on the running statistics they
 receive, with the kernel the forward uses. The statistics are final once a replica's last
 forward of the subnet has run, so they take a channel of their own and leave early: replica 0
-sends them right after that forward (:meth:`ReplicaReducer.forwards_done`), and a replica k > 0
-replays them while the gradients' partial is still on its way (before, the replay ran after the
+sends them right after that forward (:meth:`ReplicaReducer.forwards_done`; subnets' last forwards
+may come in another order than their updates, so each update takes its own subnet's message),
+and a replica k > 0 replays them while the gradients' partial is still on its way (before, the replay ran after the
 partial arrived, on the chain's critical path: 1.1 ms of the default space's ~20 ms
 data-parallel step). Cost: R - 1 hops in sequence plus one fan-out, per update, of the stage's
 gradients; a replica's contributions are kept until then (M/R copies of the gradients of its
@@ -184,8 +185,13 @@ class ReplicaReducer:
     def forwards_done(self, modules: Sequence[nn.Module]) -> None:
         """After this stage's last training forward of a subnet (``modules``: the ops it will
         update, as :meth:`reduce` gets them): replica 0's batch-norm statistics are final now and
-        go to replica 1; a replica k > 0 posts the receive of its predecessor's. Every replica
-        runs the same schedule, so each channel's sends and receives come in the same order."""
+        go to replica 1, which posts their receive now. Every replica runs the same schedule, so
+        the channel's sends and receives come in the same order: that of the subnets' last
+        forwards here, which need not be that of their updates (a subnet may finish its forwards
+        while an earlier one still waits for an op, and update after it: the updates of an op
+        shared by both come in subnet order), so an update takes its own subnet's message, by key.
+        Replicas further down receive at the update, in update order, which is when their
+        predecessor sends."""
         bns = _bns(modules)
         self._found.append((tuple(modules), bns))  # (for :meth:`reduce`: one walk of the modules a subnet)
         if not bns:
@@ -193,8 +199,8 @@ class ReplicaReducer:
         if self.first:
             self.bn_transport.send_payload(_pack([], [], bns), 1)
             self._bn_out.append(_key(bns))
-        else:
-            self._bn_in.append((_key(bns), self.bn_transport.post_recv(self.mesh.replica - 1, _message_specs([], bns))))
+        elif self.mesh.replica == 1:
+            self._bn_in.append((_key(bns), self.bn_transport.post_recv(0, _message_specs([], bns))))
 
     def _bns_of(self, modules: Sequence[nn.Module]) -> list[_BatchNorm]:
         """The batch norms of ``modules``: those :meth:`forwards_done` found for the same modules
@@ -212,17 +218,12 @@ class ReplicaReducer:
         if not bns:
             return
         k, key = self.mesh.replica, _key(bns)
-        early = self._bn_out if self.first else self._bn_in
-        if early and (early[0] if self.first else early[0][0]) != key:
-            raise RuntimeError("replicated stages: batch-norm statistics out of order (a subnet's update came "
-                               "before an earlier subnet's last forward); a bug in the schedule or the executor")
         if self.first:
-            if early:
-                early.popleft()
-            else:  # no forwards_done call: send them now
+            if _take(self._bn_out, key) is None:  # no forwards_done call: send them now
                 self.bn_transport.send_payload(_pack([], [], bns), 1)
             return
-        posted = early.popleft()[1] if early else self.bn_transport.post_recv(k - 1, _message_specs([], bns))
+        early = _take(self._bn_in, key)
+        posted = early[1] if early is not None else self.bn_transport.post_recv(k - 1, _message_specs([], bns))
         _set_bn(bns, _unpack(posted.wait(), [], bns)[1])
         self._replay(bns)
         if k < self.mesh.replicas - 1:
@@ -427,6 +428,17 @@ def _bns(modules: Sequence[nn.Module]) -> list[_BatchNorm]:
 
 def _key(bns: Sequence[_BatchNorm]) -> tuple[int, ...]:
     return tuple(id(b) for b in bns)
+
+
+def _take(queue: deque, key: tuple[int, ...]):
+    """The entry of ``queue`` for ``key`` (a key, or a (key, receive) pair), removed; None if
+    none. Subnets in flight together run distinct modules (two that share an op are ordered, and
+    a delayed op's readers each run a private copy), so a key names one entry."""
+    for i, entry in enumerate(queue):
+        if (entry if isinstance(entry[0], int) else entry[0]) == key:
+            del queue[i]
+            return entry
+    return None
 
 
 def _set_bn(bns: Iterable[_BatchNorm], values: Sequence[torch.Tensor]) -> None:

@@ -79,6 +79,22 @@ def test_three_replicas_pass_batch_norm_statistics_and_gradients_along_the_chain
     for sc, got in zip(scs, results):
         assert_same_as_reference(got, reference(sc), f"conv window={sc.extra.get('window', 1)} (S, R)=(1, 3) shm={shm}")
 
+def test_batch_norm_statistics_follow_each_subnet_when_last_forwards_and_updates_differ_in_order() -> None:
+    """(S, R) = (2, 2), window 4, delayed shared ops, the fair sampler, the planner's defaults: at a
+    fair round's boundary a subnet finishes its forwards on a stage while an earlier one waits
+    there for a choice op, and updates after it (the stem's updates come in subnet order), so
+    the batch-norm chain's messages (sent after each subnet's last forward) come in another
+    order than the updates that take them. Before they were taken by subnet, this stopped every
+    rank at step 12 ("batch-norm statistics out of order"); equal to one process now. With the
+    in-flight cap in bytes too (``pipeline.inflight=bytes``)."""
+    extra = {"stages": 2, "window": 4, "shared_ops": "delayed", "shared_delay": 1}
+    scs = [Scenario(space, "1f1b", steps=16, segment=16, sampler="fair", extra={**extra, **more})
+           for space, more in (("conv", {}), ("cell", {}), ("conv", {"inflight": "bytes"}))]
+    results, _, _ = spawn(4, scs, timeout_s=300)
+    for sc, got in zip(scs, results):
+        assert_same_as_reference(got, reference(sc), f"{sc.space} {sc.extra} (S, R)=(2, 2)")
+
+
 def test_replicas_over_the_wire_equal_one_process_too() -> None:
     """``PIPENAS_REDUCE_SHM=0``: the gradients travel through gloo as messages (as between hosts)
     instead of this host's shared memory (the other tests here); the same bits either way."""
