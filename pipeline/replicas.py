@@ -146,8 +146,10 @@ class ReplicaReducer:
         # leave at a subnet's last forward, the gradients' at its update, so the two interleave
         # differently with several subnets in flight)
         self.bn_transport = bn_transport
-        self._bn_out: deque[tuple[int, ...]] = deque()  # replica 0: subnets' statistics already sent
-        self._bn_in: deque[tuple[tuple[int, ...], PostedRecv]] = deque()  # k > 0: their receives, posted
+        # by subnet (its batch norms' key): replica 0's statistics already sent; replica 1's receives
+        # of them, posted (subnets in flight together run distinct modules: a key names one subnet)
+        self._bn_out: set[tuple[int, ...]] = set()
+        self._bn_in: dict[tuple[int, ...], PostedRecv] = {}
         self.fast = mode == "fast"  # gradients by one all-reduce (not bit-identical); see the module doc
         self.first = mesh.replica == 0
         self.recording = False  # training forwards and backwards only (not evaluation)
@@ -198,9 +200,9 @@ class ReplicaReducer:
             return
         if self.first:
             self.bn_transport.send_payload(_pack([], [], bns), 1)
-            self._bn_out.append(_key(bns))
+            self._bn_out.add(_key(bns))
         elif self.mesh.replica == 1:
-            self._bn_in.append((_key(bns), self.bn_transport.post_recv(0, _message_specs([], bns))))
+            self._bn_in[_key(bns)] = self.bn_transport.post_recv(0, _message_specs([], bns))
 
     def _bns_of(self, modules: Sequence[nn.Module]) -> list[_BatchNorm]:
         """The batch norms of ``modules``: those :meth:`forwards_done` found for the same modules
@@ -219,11 +221,14 @@ class ReplicaReducer:
             return
         k, key = self.mesh.replica, _key(bns)
         if self.first:
-            if _take(self._bn_out, key) is None:  # no forwards_done call: send them now
+            if key in self._bn_out:
+                self._bn_out.discard(key)
+            else:  # no forwards_done call: send them now
                 self.bn_transport.send_payload(_pack([], [], bns), 1)
             return
-        early = _take(self._bn_in, key)
-        posted = early[1] if early is not None else self.bn_transport.post_recv(k - 1, _message_specs([], bns))
+        posted = self._bn_in.pop(key, None)
+        if posted is None:  # replicas past the first, or no forwards_done call: receive now
+            posted = self.bn_transport.post_recv(k - 1, _message_specs([], bns))
         _set_bn(bns, _unpack(posted.wait(), [], bns)[1])
         self._replay(bns)
         if k < self.mesh.replicas - 1:
@@ -428,17 +433,6 @@ def _bns(modules: Sequence[nn.Module]) -> list[_BatchNorm]:
 
 def _key(bns: Sequence[_BatchNorm]) -> tuple[int, ...]:
     return tuple(id(b) for b in bns)
-
-
-def _take(queue: deque, key: tuple[int, ...]):
-    """The entry of ``queue`` for ``key`` (a key, or a (key, receive) pair), removed; None if
-    none. Subnets in flight together run distinct modules (two that share an op are ordered, and
-    a delayed op's readers each run a private copy), so a key names one entry."""
-    for i, entry in enumerate(queue):
-        if (entry if isinstance(entry[0], int) else entry[0]) == key:
-            del queue[i]
-            return entry
-    return None
 
 
 def _set_bn(bns: Iterable[_BatchNorm], values: Sequence[torch.Tensor]) -> None:

@@ -248,6 +248,7 @@ def collect(procs: list, timeout_s: float) -> list[subprocess.CompletedProcess |
         kill_all()
     return done
 
+
 if __name__ == "__main__":
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     request = _serve()
