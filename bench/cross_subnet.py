@@ -85,7 +85,7 @@ from bench.naspipe_planner import SOURCES  # noqa: E402
 from pipeline.plan.admission import ActivationCap, SubnetWork, cross_subnet, stage_caps  # noqa: E402
 from pipeline.plan.clock import WEIGHT_SHARE  # noqa: E402
 from pipeline.plan.costs import CostTable, analytic_costs, mean_cost, subnet_problem  # noqa: E402
-from pipeline.plan.partition import OpCost, PartitionProblem  # noqa: E402
+from pipeline.plan.partition import OpCost, PartitionProblem, kept_per_microbatch  # noqa: E402
 from pipeline.plan.placement import initial_owners, moves  # noqa: E402
 from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from pipeline.plan.schedule import Action, Schedule, one_f_one_b  # noqa: E402
@@ -171,12 +171,14 @@ def _block_problem(space: Space, actives: Sequence, cut_bytes: Sequence[int], P:
 
 
 def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05,
-                block: int | None = None, bounds_out: list | None = None
+                block: int | None = None, bounds_out: list | None = None, kept_out: list | None = None
                 ) -> tuple[list[SubnetWork], dict[str, int], dict[str, float]]:
     """Each subnet's work under the dynamic planner's partitions, chained through the op owners
     as the runtime does; with ``block``: one partition per ``block`` consecutive subnets (the
     planner on the block's mean costs). Also each op's stage before the first subnet, and each
-    op's move seconds; ``bounds_out`` (a list) receives each subnet's partition bounds."""
+    op's move seconds; ``bounds_out`` (a list) receives each subnet's partition bounds, and
+    ``kept_out`` its activation bytes per micro-batch and stage (the runtime's ``Plan.kept``:
+    ``pipeline.plan.partition.kept_per_microbatch``)."""
     graph, link = space.graph, space.link
     planner = DynamicPlanner(eps, objective="step")
     owners = initial_owners(graph.slots(), P)
@@ -196,21 +198,10 @@ def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05
         work.append(subnet_work(space, active, bounds, problem))
         if bounds_out is not None:
             bounds_out.append(tuple(bounds))
+        if kept_out is not None:
+            kept_out.append(kept_per_microbatch(problem, bounds))
         before = frozenset(op.op_id for op in active)
     return work, origin, {op: space.move[op] for op in origin}
-
-
-def activation_bytes(space: Space, archs: Sequence, bounds: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-    """Per subnet and stage, the activation bytes one micro-batch keeps there between its forward
-    and backward: its ops' saved tensors and the stage's input (the partitioner's memory model)."""
-    ops, out_bytes = space.table.ops, space.table.out_bytes
-    rows = []
-    for a, b in zip(archs, bounds):
-        active = space.graph.active_ops(a)
-        rows.append(tuple(int(sum(ops[o.op_id].act_bytes for o in active[b[s]:b[s + 1]])
-                              + (out_bytes[active[b[s] - 1].node] if b[s] > 0 else out_bytes["input"]))
-                          for s in range(len(b) - 1)))
-    return rows
 
 
 # ------------------------------------------------------------------------------ the figures
@@ -234,7 +225,7 @@ def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: i
     cap per stage in multiples of 1F1B's ``P - s`` (None: the builder's default, 1F1B's, or with
     the split ``P`` on every stage); ``split``: every backward split into B and W; ``delays``: a
     shared op's own delay (``pipeline.shared_delays``); ``per_microbatch``: each subnet's
-    activation bytes per micro-batch and stage (:func:`activation_bytes`): the cap then counts
+    activation bytes per micro-batch and stage (:func:`plan_stream`'s ``kept_out``): the cap then counts
     bytes, the count cap's worst case (``ActivationCap.like``)."""
     P = len(work[0].uses)
     late, own = read_late(mode, shared, delay, delays or {})
@@ -332,8 +323,8 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     beside the count cap."""
     s = make_sampler(sampler, space.graph.space(), seed)
     archs = [s.next() for _ in range(subnets)]
-    bounds: list = []
-    work, origin, state_time = plan_stream(space, archs, P, M, eps, bounds_out=bounds)
+    per: list = []  # each subnet's activation bytes per micro-batch and stage (the byte_caps rows)
+    work, origin, state_time = plan_stream(space, archs, P, M, eps, kept_out=per)
     shared = shared_ops_of(space.graph)
     flush = flush_figures(work, M, origin, state_time)
     out = []
@@ -378,7 +369,6 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
         # the runtime's split: its default cap (ZB-H1's rule), beside the runtime without the split
         out.append(split_row(P, M, sampler, streams[eps], shared, unsplit[(eps, 1)], subnets, seed, None, eps))
     if byte_caps:
-        per = activation_bytes(space, archs, bounds)
         for split, cap in ((False, 1), (True, None)):  # the runtime's caps, without and with the split
             counted = unsplit[(eps, 1)] if not split else choose(work, M, "delayed", shared, origin, state_time, cap,
                                                                   split=True)

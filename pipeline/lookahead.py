@@ -23,7 +23,7 @@ from .plan.activations import ActivationError
 from .plan.admission import SubnetWork, in_flight_bound
 from .plan.costs import CostTable, analytic_costs, mean_problem, subnet_problem
 from .plan.overhead import RuntimeCosts, subnet_work
-from .plan.partition import Partition, PartitionError, PartitionProblem, stage_work
+from .plan.partition import Partition, PartitionError, PartitionProblem, kept_per_microbatch, stage_work
 from .plan.placement import stages_of
 from .plan.planners import StaticPlanner, make_planner
 from .plan.schedule import Schedule, build as build_schedule
@@ -173,11 +173,8 @@ class LookaheadPlanner:
             refused = str(e)
         h = hashlib.sha256(f"{arch.to_json()}|{list(part.bounds)}".encode()).digest()
         slices = cut(active, part.bounds, self.graph.output)
-        b = part.bounds
-        kept = tuple(int(sum(op.act_bytes for op in problem.ops[b[k]:b[k + 1]]) + problem.cut_bytes[b[k]])
-                     for k in range(self.num_stages))
         return Plan(arch, part, slices, int.from_bytes(h[:7], "little"), acts, work=self._work(problem, part, slices),
-                    activation_error=refused, kept=kept)
+                    activation_error=refused, kept=kept_per_microbatch(problem, part.bounds))
 
     def _work(self, problem, part: Partition, slices: Sequence[Slice]) -> SubnetWork:
         """What a cross-subnet schedule needs of this plan: each stage's ops with state and the

@@ -9,10 +9,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cross_subnet import (  # noqa: E402
-    NASPIPE_WINDOW, Space, activation_bytes, build_space, figures, flush_figures, grid, plan_stream, simulated_rows,
-    target, verdicts, weight_grad,
+    NASPIPE_WINDOW, Space, build_space, figures, flush_figures, grid, plan_stream, simulated_rows, target, verdicts,
+    weight_grad,
 )
-from pipeline.plan.costs import analytic_costs  # noqa: E402
+from pipeline.plan.costs import analytic_costs, subnet_problem  # noqa: E402
 from pipeline.plan.placement import initial_owners  # noqa: E402
 from search.samplers import make_sampler  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
@@ -159,14 +159,15 @@ def test_verdicts_judge_fair_delayed_rows_only(rows: list[dict]) -> None:
 
 def test_byte_caps_rows_hold_the_count_caps_peak_and_name_their_baseline(space: Space) -> None:
     archs = _archs(space, 12)
-    bounds: list = []
-    plan_stream(space, archs, 4, 2, bounds_out=bounds)
-    per = activation_bytes(space, archs, bounds)
-    for arch, b, row in zip(archs, bounds, per):
+    bounds, kept = [], []
+    plan_stream(space, archs, 4, 2, bounds_out=bounds, kept_out=kept)
+    for arch, b, row in zip(archs, bounds, kept):
         active = space.graph.active_ops(arch)
-        assert sum(row) == sum(space.table.ops[o.op_id].act_bytes for o in active) + sum(
-            space.table.out_bytes[active[b[s] - 1].node] if b[s] > 0 else space.table.out_bytes["input"]
-            for s in range(4))
+        problem = subnet_problem(space.graph, active, space.table, 4, 2, "1f1b", SMALL["link"]["bandwidth"],
+                                 SMALL["link"]["latency_s"])
+        # the saved tensors of the stage's ops and the bytes live across the cut before it
+        assert row == tuple(sum(space.table.ops[o.op_id].act_bytes for o in active[b[s]:b[s + 1]])
+                            + problem.cut_bytes[b[s]] for s in range(4))
     got = [r for r in simulated_rows(space, 4, 2, "fair", subnets=12, seed=0, modes=("delayed",), options=False,
                                      bw_split=False, byte_caps=True) if r["bench"] == "byte_caps"]
     assert [r["split"] for r in got] == [False, True]

@@ -48,7 +48,7 @@ from .schedule import SCHEDULES, Schedule, build as build_schedule, max_in_fligh
 
 __all__ = [
     "OpCost", "ManagedMemory", "PartitionProblem", "Partition", "PartitionError", "stage_cost", "solve", "evaluate",
-    "stage_work", "random_problem", "REL_SLACK",
+    "stage_work", "kept_per_microbatch", "random_problem", "REL_SLACK",
 ]
 
 REL_SLACK = 1e-12  # relative slack on the (1 + eps) * optimum threshold: the optimum always passes
@@ -401,6 +401,15 @@ def stage_work(problem: PartitionProblem, bounds: Sequence[int]) -> tuple[tuple[
     bwd = tuple(sum(op.bwd for op in problem.ops[b[s]:b[s + 1]]) for s in range(P))
     send = tuple(problem.latency + problem.cut_bytes[b[c + 1]] / problem.bandwidth for c in range(P - 1))
     return fwd, bwd, send
+
+
+def kept_per_microbatch(problem: PartitionProblem, bounds: Sequence[int]) -> tuple[int, ...]:
+    """Per stage of split ``bounds``, the activation bytes one micro-batch keeps there between its
+    forward and backward: its ops' saved tensors and the stage's input (what the memory model
+    counts once per micro-batch in flight, ``in_flight[s]`` times, without a tensor manager)."""
+    b = bounds
+    return tuple(sum(op.act_bytes for op in problem.ops[b[s]:b[s + 1]]) + problem.cut_bytes[b[s]]
+                 for s in range(problem.num_stages))
 
 
 # ---------------------------------------------------------------------------------- solver
