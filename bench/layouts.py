@@ -19,7 +19,9 @@ default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB
 with the split), ``window4_d3`` and ``window4_d3_head1`` (``window4`` with D = 3, and with the
 head read one update late: ``pipeline.shared_delays={head:1}``), ``window4_d3_bytes`` and
 ``window4_zbh1_bytes`` (``window4_d3`` and ``window4_zbh1`` with ``pipeline.inflight=bytes``: each
-stage's in-flight cap in activation bytes), ``stages1``
+stage's in-flight cap in activation bytes), ``flushed_clip`` and ``window4_clip`` (``flushed`` and
+``window4`` with ``train.clip_grad_norm=1.0``: what waiting for the global norm before each update
+costs), ``stages1``
 (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
 pipeline.window=auto``: the layout chooser's pick, the default under torchrun), and, as the
 ceiling of two processes on this machine rather than a layout, ``two_halves``: two one-process
@@ -79,6 +81,10 @@ LAYOUTS = {  # name: (processes, overrides)
                              "pipeline.shared_delay=3", "pipeline.inflight=bytes"]),
     "window4_zbh1_bytes": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
                                "pipeline.schedule=zbh1", "pipeline.inflight=bytes"]),
+    # clipping (train.clip_grad_norm): the norm's wait before each update, flushed and across subnets
+    "flushed_clip": (2, ["pipeline.stages=2", "pipeline.window=1", "train.clip_grad_norm=1.0"]),
+    "window4_clip": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                         "train.clip_grad_norm=1.0"]),
     "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
     "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
     # the ceiling of two processes here, not a layout: two one-process runs at once, each on half the

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from supernet import SupernetGraph
 
+from .combinations import check as check_combination
 from .engine import Engine, EvalResult, LrSchedule, StepResult, engine_device
 from .memory import MemoryBudgetError, MemorySettings, MemoryStats, OptimConfig, TensorManager, params_digest
 from .reference import ReferenceEngine
@@ -35,14 +36,12 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
     ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them).
     ``sample_shape`` and ``batch_size``: what ``pipeline.stages: auto`` plans the mesh for.
     ``clip_grad_norm``: clip each subnet's gradients to this global L2 norm (None: off;
-    :class:`pipeline.engine.GradClip`; flushed steps only, the config refuses it with a window).
+    :class:`pipeline.engine.GradClip`; with replicated stages flushed steps only).
     ``checkpoint_every``: where the run's checkpoint boundaries fall (delayed shared ops read no
     version from before the last one, so a resumed run computes what an uninterrupted one does)."""
     env = env if env is not None else dist_env()
     dev = engine_device(device)
-    if clip_grad_norm is not None and settings.cross:
-        raise ValueError(f"clip_grad_norm: expected pipeline.window 1 and shared_ops exact, found window "
-                         f"{settings.window} and shared_ops {settings.shared_ops!r} (cross-subnet updates do not clip)")
+    check_combination(settings, memory, clip_grad_norm, env.world_size if env is not None else 1)
     compensation = (settings.delay_compensation, settings.delay_compensation_coef)
     if env is None:
         return ReferenceEngine(graph, seed, optim, microbatches, lr, dev, memory=memory, trace_steps=trace_steps,

@@ -30,6 +30,15 @@ class Run:
     pipeline: PipelineSettings
     memory: MemorySettings
     clip_grad_norm: float | None = None
+    world_size: int = 1  # the processes (torchrun's WORLD_SIZE)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the stages have replicas: ``pipeline.stages`` a number below the process count
+        (``auto`` takes one stage per process where a row would refuse replicas:
+        :func:`pipeline.layout.one_stage_each`)."""
+        stages = self.pipeline.stages
+        return isinstance(stages, int) and stages < self.world_size
 
 
 @dataclass(frozen=True)
@@ -44,12 +53,21 @@ class Limit:
 
 
 LIMITS: tuple[Limit, ...] = (
-    Limit("train.clip_grad_norm / pipeline.window, pipeline.shared_ops",
-          lambda r: r.clip_grad_norm is not None and r.pipeline.cross,
-          lambda r: f"window {r.pipeline.window} and shared_ops {r.pipeline.shared_ops!r} with clipping",
-          "the norm is a collective over the stages at each update, and inside a cross-subnet schedule a stage's "
-          "update may come after a forward of the next subnet that waits for another stage's update",
-          "set train.clip_grad_norm=null, or window=1 and shared_ops=exact"),
+    Limit("train.clip_grad_norm / pipeline.window, pipeline.shared_ops, pipeline.stages",
+          lambda r: r.clip_grad_norm is not None and r.pipeline.cross and r.replicated,
+          lambda r: f"window {r.pipeline.window} and shared_ops {r.pipeline.shared_ops!r} with clipping, "
+                    f"pipeline.stages {r.pipeline.stages!r} of {r.world_size} processes",
+          "with replicated stages the norm is taken after the replicas' gradients are summed at each update, and "
+          "inside a cross-subnet schedule a stage's update may come after a forward of the next subnet that waits "
+          "for another stage's update",
+          "set pipeline.stages=null (one stage per process), or window=1 and shared_ops=exact"),
+    Limit("train.clip_grad_norm / pipeline.delay_compensation",
+          lambda r: (r.clip_grad_norm is not None and r.pipeline.shared_ops == "delayed" and r.world_size > 1
+                     and r.pipeline.delay_compensation == "dc"),
+          lambda r: "delay_compensation 'dc' with clipping in a pipeline",
+          "each stage sends its gradients' norm after its last backward of a subnet, and 'dc' changes a delayed "
+          "op's gradient only at its update",
+          "set pipeline.delay_compensation=predict or none"),
     Limit("pipeline.memory_budget_bytes / memory.device_budget_bytes",
           lambda r: r.memory.virtual and r.pipeline.memory_budget_bytes is not None,
           lambda r: f"pipeline.memory_budget_bytes {r.pipeline.memory_budget_bytes!r} beside a tensor-manager budget",
@@ -64,9 +82,11 @@ LIMITS: tuple[Limit, ...] = (
 )
 
 
-def check(pipeline: PipelineSettings, memory: MemorySettings | None, clip_grad_norm: float | None = None) -> None:
-    """Raise :class:`CombinationError` for the first row of :data:`LIMITS` that applies."""
-    run = Run(pipeline, memory if memory is not None else MemorySettings(), clip_grad_norm)
+def check(pipeline: PipelineSettings, memory: MemorySettings | None, clip_grad_norm: float | None = None,
+          world_size: int = 1) -> None:
+    """Raise :class:`CombinationError` for the first row of :data:`LIMITS` that applies
+    (``world_size``: the processes the run has)."""
+    run = Run(pipeline, memory if memory is not None else MemorySettings(), clip_grad_norm, world_size)
     for limit in LIMITS:
         if limit.applies(run):
             raise CombinationError(f"{limit.fields}: found {limit.found(run)}, which do not combine: {limit.why}; "

@@ -23,7 +23,9 @@ and this executor only follows it:
   pinned at once by the arena;
 * an update ``U`` steps the subnet's ops on this stage, once its micro-batch losses are here
   (the last stage sends them to every stage at its own update); a loss that is not finite skips
-  it, on every stage alike; then the ops the next user needs elsewhere leave.
+  it, on every stage alike; then the ops the next user needs elsewhere leave. With clipping
+  (``Schedule.norms``) each stage sends its ops' sums of squares of the subnet's gradients to
+  every other stage after its last backward of the subnet, and the update clips with them.
 
 Gradients of one subnet accumulate in ascending micro-batch order and no two subnets in flight
 share an op with state except through the versions the rule names, so every op sees the same
@@ -49,7 +51,7 @@ from torch import nn
 
 from supernet import Slice, SliceRun, SupernetGraph, build_op, classification_loss, op_contexts
 
-from .engine import EvalResult, activation_policy, policy_counts, recalibrated_bn, update
+from .engine import EvalResult, activation_policy, grad_sq_sums, policy_counts, recalibrated_bn, update
 from .failures import FailureReporter
 from .lookahead import Plan
 from .memory import MemoryStats
@@ -106,8 +108,9 @@ class SegmentRun:
         return sum(a["recomputed_ops"] for a in self.activations)
 
 
-# A stage's clipping for one subnet's update: (step, plan) -> the clip callable, or None
-Clipper = Callable[[int, Plan], Callable | None]
+# A stage's clipping for one subnet's update: (step, plan, the other stages' sums of squares in
+# stage order, or None where the stages reduce them at the update) -> the clip callable, or None
+Clipper = Callable[[int, Plan, "dict[int, torch.Tensor] | None"], Callable | None]
 
 
 class StageExecutor:
@@ -164,15 +167,21 @@ class StageExecutor:
             self.shared.drop(op)
 
         def emit(a: Action | None, out: Sequence[torch.Tensor | None] | None, losses: torch.Tensor | None,
-                 kinds: tuple[str, ...] = ("activation", "gradient", "losses", "state"), after: int = -1) -> None:
+                 kinds: tuple[str, ...] = ("activation", "gradient", "norm", "losses", "state"), after: int = -1) -> None:
             """Send what the rule says ``a`` sends (only the messages of ``kinds``); on NCCL the
             receive that row action ``after`` needs first goes in the same batch."""
             payload = []
+            norm = None
             for dst, w in rule.sends(a, me):
                 if w.message not in kinds:
                     continue
                 if w.message == "state":
                     send_state(w.op, dst, for_subnet[(a, w.op)])
+                elif w.message == "norm":  # the subnet's gradients here are final: clipping's sums
+                    if norm is None:
+                        norm = grad_sq_sums(self._updated(rule.stepped(a.subnet, me), seg.steps[a.subnet]),
+                                            self.device)
+                    payload.append(([norm], dst))
                 else:
                     payload.append(([losses] if w.message == "losses" else out, dst))
             inbox.send(payload, row[after] if 0 <= after < len(row) else None)
@@ -190,6 +199,7 @@ class StageExecutor:
         losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
                   for _ in seg.steps]
         values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
+        norms: list[dict[int, torch.Tensor]] = [{} for _ in seg.steps]  # per subnet: the other stages' sums
         policies = [activation_policy(p.stage_activations(me), self.peer) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
@@ -218,6 +228,8 @@ class StageExecutor:
                         inputs = value
                     elif w.message == "losses":
                         losses[t] = value[0]
+                    elif w.message == "norm":
+                        norms[t][src] = value[0]
                 a0 = time.perf_counter()
                 if a.kind == "F":
                     if m == 0:
@@ -257,7 +269,7 @@ class StageExecutor:
                     emit(a, None, losses[t], kinds=("losses",), after=i + 1)  # (last stage) every update needs them
                     # every replica's losses (with replicas), in micro-batch order
                     values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, plan, seg.lrs[t],
-                                             losses[t])
+                                             losses[t], norms[t] if sch.norms else None)
                     ops = pinned.pop(t, frozenset())
                     still = frozenset().union(*pinned.values())  # ops another subnet in flight here runs
                     stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t),
@@ -318,18 +330,19 @@ class StageExecutor:
         return EvalResult(loss_sum / max(total, 1), int(correct), int(total))
 
     def _update(self, ops: frozenset[str], step: int, plan: Plan, lr: float,
-                losses: torch.Tensor) -> tuple[float, ...]:
+                losses: torch.Tensor, norms: dict[int, torch.Tensor] | None = None) -> tuple[float, ...]:
         """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
         (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
         flight keep theirs); returns the micro-batch losses it decided on. The subnet's one host
         read: its losses (on the device until here). With replicas the gradients are folded on
-        the modules the subnet ran (a delayed op's private version) before they go to the live op."""
+        the modules the subnet ran (a delayed op's private version) before they go to the live op.
+        ``norms``: with clipping by messages (``Schedule.norms``), the other stages' sums of squares."""
         mb_losses = tuple(losses.tolist())
         ordered = sorted(ops)
         if self.reducer is not None:
             with self.tracer.span(step, "reduce", "reduce"):
                 mb_losses = self.reducer.fold(mb_losses, self._updated(ops, step))
-        clip = self.clipper(step, plan) if self.clipper is not None else None
+        clip = self.clipper(step, plan, norms) if self.clipper is not None else None
         with self.shared.updating(ordered, step) as stepped:
             update(self.tensors, stepped, lr, mb_losses, clip)
         if self.reducer is not None:
@@ -366,6 +379,8 @@ class _Inbox:
     def _specs(self, w: Wait) -> tuple:
         if w.message == "losses":
             return self.losses
+        if w.message == "norm":  # one float64 sum of squares per op the sender steps
+            return (TensorSpec((len(self.rule.stepped(w.action.subnet, w.action.stage)),), torch.float64),)
         wires = self.seg.plans[w.action.subnet].wires
         return wires.forward[self.me] if w.message == "activation" else wires.backward[self.me]
 
@@ -396,7 +411,7 @@ class _Inbox:
     def _next_recv(self, a: Action) -> int | None:
         """The channel whose next message ``a`` waits for first, if not posted yet."""
         for w in self.rule.waits(a):
-            if w.message in ("activation", "gradient", "losses") and w.action.stage != self.me:
+            if w.message in ("activation", "gradient", "norm", "losses") and w.action.stage != self.me:
                 src = w.action.stage
                 q = self.queues[src]
                 return src if q and q[0] == w and src not in self.posted else None

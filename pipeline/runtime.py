@@ -163,7 +163,7 @@ class PipelineEngine:
         # this machine's measured costs, every rank alike (pipeline/layout.py: choose_layout)
         self.layout, measured, self.runtime_costs = choose_layout(
             settings, memory, env.rank, env.world_size, microbatches, graph, optim, sample_shape, batch_size, device,
-            seed, costs)
+            seed, costs, clip_grad_norm is not None)
         if self.layout.window is not None:
             self.settings = settings = dataclasses.replace(settings, window=self.layout.window)
         costs = costs if costs is not None else measured  # the planner prices with what chose the layout
@@ -226,8 +226,8 @@ class PipelineEngine:
                                 self.tensors.module, settings.delay_compensation, settings.delay_compensation_coef,
                                 delays=settings.shared_delays)
         self.migrator = Migrator(me, self.owners, self.tensors, self.transport, self.shared)
-        # clipping waits for every stage's gradient norm at each update: flushed steps only (the
-        # combination table, pipeline/combinations.py, refuses it with cross-subnet schedules)
+        # clipping: every update waits for the subnet's gradient norm (by the schedule's messages;
+        # with replicas an all-reduce after the fold: flushed steps only, pipeline/combinations.py)
         self.executor = StageExecutor(me, graph, self.tensors, self.shared, self._schedule_transport, state,
                                       self.failures, self.tracer, self.device, seed, reducer=self.reducer,
                                       offset=offset, clipper=self._clipper if self.clip is not None else None,
@@ -307,14 +307,20 @@ class PipelineEngine:
         uses = [p.work.uses for p in plans]
         origin = {op: origin[op] for op in used}
         if not self.settings.cross:
-            return validate(sequential(self.schedule, uses, origin=origin))
+            return validate(sequential(self.schedule, uses, origin=origin, norms=self._norms))
         return validate(cross_subnet(
             [p.work for p in plans], self.local_microbatches, self.settings.window, frozen=self.shared.frozen & used,
             delayed=self.shared.delayed & used, delay=self.settings.shared_delay, delays=self.shared.own_delays,
             origin=origin,
             state_time=self.planner.move_seconds(), arena=self._arena_bound(),
             split=self.settings.split_backward,  # the B/W split, each W where its stage idles
-            activations=self._activation_cap(plans)))
+            activations=self._activation_cap(plans), norms=self._norms))
+
+    @property
+    def _norms(self) -> bool:
+        """Whether the schedule carries clipping's gradient norms from stage to stage (with
+        replicas the norm follows the fold at the update: an all-reduce, flushed steps only)."""
+        return self.clip is not None and self.replicas == 1 and self.num_stages > 1
 
     def _activation_cap(self, plans: Sequence[Plan]) -> ActivationCap | None:
         """With ``pipeline.inflight=bytes``: each stage's in-flight cap in the activation bytes the
@@ -392,14 +398,23 @@ class PipelineEngine:
         hint, self._hint = self._hint, []
         return self._train_segment([(step, arch, x, y)], hint, 1)[0]
 
-    def _clipper(self, step: int, plan: Plan):
-        """``train.clip_grad_norm`` for a flushed step of ``plan``: this stage's per-op sums of
-        squares go into a vector of the whole subnet's ops at this stage's offset (zeros
-        elsewhere), one all-reduce over this replica's stages adds them exactly (x + 0 = x), and
-        every rank adds the entries in op order: the norm one process computes. With replicas it
-        runs after the fold, on gradients every replica holds alike. None: no clipping."""
+    def _clipper(self, step: int, plan: Plan, norms: dict[int, torch.Tensor] | None):
+        """``train.clip_grad_norm`` for an update of ``plan``: the whole subnet's per-op sums of
+        squares, in op order (stage by stage), added on every rank alike: the norm one process
+        computes. ``norms``: the other stages' sums, sent to this one after their last backward
+        of the subnet (the schedule's ``norm`` messages; one stage: none); None with replicas,
+        where the norm is taken after the fold, on gradients every replica holds alike: this
+        stage's sums go into a zero vector of the subnet's ops at its offset and one all-reduce
+        over this replica's stages adds them exactly (x + 0 = x). None: no clipping."""
         if self.clip is None:
             return None
+        if norms is not None or self.num_stages == 1:
+            me, got = self.stage_index, norms or {}
+
+            def gather(mine: torch.Tensor) -> torch.Tensor:
+                return torch.cat([mine if s == me else got[s] for s in range(self.num_stages) if s == me or s in got])
+
+            return lambda mods: self.clip(mods, self.device, gather if got else None) if mods else None
         sizes = [len(sl.ops) for sl in plan.slices]
         lo, n = sum(sizes[:self.stage_index]), sum(sizes)
 
@@ -411,7 +426,7 @@ class PipelineEngine:
                 dist.all_reduce(full, group=self.transport.group)
             return full
 
-        return lambda mods: self.clip(mods, self.device, exchange if self.num_stages > 1 else None)
+        return lambda mods: self.clip(mods, self.device, exchange)
 
     def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
         """Train ``items`` in order as segments (subnets back to back: flushed steps, or several

@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -420,11 +421,20 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     if late:
         raise ConfigError(f"pipeline.trace_steps: expected steps below train.steps ({run.train.steps}), found {late}")
     try:  # the one table of what does not combine (pipeline/combinations.py)
-        check_combination(run.pipeline, run.memory, run.train.clip_grad_norm)
+        check_combination(run.pipeline, run.memory, run.train.clip_grad_norm, _world_size())
     except CombinationError as e:
         raise ConfigError(str(e)) from None
     root.done(ignore=("hydra",))
     return run
+
+
+def _world_size() -> int:
+    """The processes of this run: torchrun's ``WORLD_SIZE`` (1 outside torchrun or when unreadable:
+    the launcher's own checks name it)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 # -- instantiating targets -------------------------------------------------------------------

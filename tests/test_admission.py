@@ -560,3 +560,55 @@ def test_activation_caps_of_the_wrong_shape_are_named(bad: dict, field: str) -> 
         ActivationCap(**bad)
     with pytest.raises(ScheduleError, match="activations expected 3 subnets x 2 stages"):
         cross_subnet([_work([set(), set()])] * 3, 2, 2, activations=ActivationCap((4, 4), ((1, 1),)))
+
+
+# ------------------------------------------------------------------------ clipping's norms
+
+
+@pytest.mark.parametrize("mode,seed", CASES[::4])
+def test_with_norms_every_update_follows_every_stages_last_backward(mode: str, seed: int) -> None:
+    """``norms`` (train.clip_grad_norm): a stage's update of a subnet comes after the last backward
+    of that subnet on every stage with ops to step, and the stage sends its sums right then; the
+    builder still keeps the sequential semantics, validates, and its estimates are the simulator's."""
+    rng = random.Random(seed * 11 + MODES.index(mode))
+    work, M, window, kw = random_instance(rng, mode)
+    split = rng.random() < 0.5
+    sched, clock = _admit(work, M, window, cap=None, name="cross", split=split, norms=True, **kw)
+    assert validate(sched) is sched and sched.norms
+    check_sequential_semantics(sched, {op: mode for op in ("stem", "head")}, kw["delay"])
+    check_window(sched, window)
+    r = simulate(sched, work=work, state_time=kw["state_time"])
+    span = {sp.action: sp for row in r.timeline for sp in row}
+    assert r.step_time == max(clock.end)
+    P, rule, last = sched.num_stages, sched.rule, "W" if split else "B"
+    for t in range(sched.num_subnets):
+        for s in range(P):
+            norms = [w for w in rule.waits(Action(s, "U", 0, t)) if w.message == "norm"]
+            senders = [s2 for s2 in range(P) if s2 != s and rule.stepped(t, s2)] if rule.stepped(t, s) else []
+            assert [w.action for w in norms] == [Action(s2, last, M - 1, t) for s2 in senders]
+            for w in norms:
+                assert span[Action(s, "U", 0, t)].start >= span[w.action].end - 1e-12
+                assert (s, w) in rule.sends(w.action)
+    unclipped = cross_subnet(work, M, window, split=split, **kw)
+    assert not any(w.message == "norm" for s in range(P) for a in unclipped.actions[s]
+                   for w in unclipped.rule.waits(a))
+
+
+def test_flushed_steps_with_norms_keep_their_order_and_send_one_norm_per_stage_pair() -> None:
+    P, M, T = 3, 4, 2
+    uses = [{f"w{s}"} for s in range(P)]
+    base = one_f_one_b(P, M)
+    plain = sequential(base, [uses] * T)
+    sched = validate(sequential(base, [uses] * T, norms=True))
+    assert sched.actions == plain.actions and sched.norms
+    for src in range(P):
+        for dst in range(P):
+            if src != dst:
+                norms = [w for w in sched.rule.channel(sched.actions, src, dst) if w.message == "norm"]
+                assert [w.action for w in norms] == [Action(src, "B", M - 1, t) for t in range(T)]
+    # a stage whose subnet steps nothing (no ops with state, or only frozen ones) neither sends nor waits
+    frozen = validate(sequential(base, [[{"w0"}, {"f"}, set()]], frozen=frozenset({"f"}), norms=True))
+    waits = {s: [w for w in frozen.rule.waits(Action(s, "U", 0, 0)) if w.message == "norm"] for s in range(P)}
+    assert waits == {0: [], 1: [], 2: []}
+    with pytest.raises(ScheduleError, match="Schedule.norms"):
+        Schedule("x", 1, 1, ((Action(0, "F", 0), Action(0, "B", 0)),), norms=True)

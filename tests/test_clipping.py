@@ -5,9 +5,13 @@ every layout.
   ``pipeline``) with the rule written here once more: per op a float64 sum of squares, added in
   op order, ``scale = max_norm / (norm + 1e-6)`` when below 1. The norm is also checked against
   torch's own ``get_total_norm``, and clipping must trigger.
+* The reference's delayed shared ops with clipping against the delayed oracle with the rule.
 * One process against P = 2 flushed stages (ops migrating; a tensor-manager budget with host
-  updates too), the (1, 2) and the (2, 2) mesh: the same losses and ``params_digest``.
-* The config: a bad value and the combinations refused (cross-subnet schedules).
+  updates too), the (1, 2) and the (2, 2) mesh, and cross-subnet schedules at P = 2 and 3
+  (windows, delayed / frozen shared ops, the B/W split, a budget; each stage's sums travel as the
+  schedule's ``norm`` messages): the same losses and ``params_digest``.
+* The config: a bad value and the combinations refused (a cross-subnet schedule with replicas,
+  ``dc`` compensation in a pipeline).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import oracle as oracle_module
 from distributed import Scenario, assert_same_as_reference, build_graph, one_process, spawn
 from search.config import ConfigError, load_config, train_fields
 from test_config import make_cfg
-from test_delayed_oracle import assert_same_states, engine, oracle
+from test_delayed_oracle import assert_same_states, engine, oracle, scenario
 from test_memory_pipeline import budgeted
 
 CLIP = 0.5  # below the conv space's gradient norms early on (checked): clipping triggers
@@ -111,37 +115,104 @@ def reference(sc: Scenario) -> dict:
     return one_process(dataclasses.replace(sc, extra=extra, memory={}))
 
 
+@pytest.mark.parametrize("mode", ["delayed", "frozen"])
+def test_reference_engine_clips_delayed_and_frozen_shared_ops_as_plain_pytorch(mode: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norm covers what the update steps: a delayed op's gradient from its stale read, never a
+    frozen op's; the delayed oracle with the rule written in this file."""
+    sc = dataclasses.replace(scenario("conv", mode, delay=2, every=4, steps=9), clip=CLIP)
+    want, norms = clipped_oracle(sc, monkeypatch)
+    assert sum(nm > CLIP for nm in norms) >= 3, f"clipping should trigger: norms {norms}"
+    res, states = engine(sc)
+    assert res["mb_losses"] == [list(mb) for mb in want.losses], f"{mode}: micro-batch losses differ from the oracle's"
+    assert_same_states(states, want.states, f"clip {mode}")
+
+
+CROSS2 = [
+    Scenario("conv", "1f1b", steps=8, segment=8, sampler="fair", clip=CLIP,
+             extra={**MIGRATING, "window": 4, "shared_ops": "delayed", "shared_delay": 2}),
+    Scenario("transformer", "zbh1", steps=6, segment=6, optimizer="adamw", clip=CLIP,
+             extra={**MIGRATING, "window": 3, "shared_ops": "delayed", "shared_delay": 1}),
+    Scenario("conv", "1f1b", steps=6, segment=3, clip=CLIP, extra={**MIGRATING, "window": 4}),
+    # (the cell's gradients are smaller: a lower bound makes clipping trigger)
+    Scenario("cell", "1f1b", steps=6, segment=6, clip=0.05, extra={**MIGRATING, "window": 3, "shared_ops": "frozen"}),
+    budgeted(Scenario("conv", "1f1b", steps=6, segment=6, clip=CLIP,
+                      extra={**MIGRATING, "window": 4, "shared_ops": "delayed", "shared_delay": 1}), 2),
+]
+CROSS3 = [Scenario("conv", "1f1b", steps=8, segment=8, sampler="fair", clip=CLIP,
+                   extra={**MIGRATING, "window": 4, "shared_ops": "delayed", "shared_delay": 1}),
+          Scenario("transformer", "zbh1", steps=6, segment=6, optimizer="adamw", clip=CLIP,
+                   extra={**MIGRATING, "window": 4})]
+
+
+def reference(sc: Scenario) -> dict:
+    """One process, all resident (the same ``clip``)."""
+    extra = {k: v for k, v in sc.extra.items() if k != "stages"}
+    return one_process(dataclasses.replace(sc, extra=extra, memory={}))
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("world,scenarios", [(2, P2), (4, MESH)], ids=["P2-and-1x2", "2x2"])
+@pytest.mark.parametrize("world,scenarios", [(2, P2), (4, MESH), (2, CROSS2), (3, CROSS3)],
+                         ids=["P2-and-1x2", "2x2", "P2-cross", "P3-cross"])
 def test_clipped_layouts_are_bit_identical_to_one_process(world: int, scenarios: list[Scenario]) -> None:
     results, _, _ = spawn(world, scenarios, timeout_s=300)
     for sc, got in zip(scenarios, results):
         stages = sc.extra.get("stages", world)
-        label = f"{sc.space}/{sc.schedule}/{sc.optimizer} world {world} stages {stages} {sc.memory}"
+        label = f"{sc.space}/{sc.schedule}/{sc.optimizer} world {world} stages {stages} {sc.extra} {sc.memory}"
         ref = reference(sc)
         assert_same_as_reference(got, ref, label)
         unclipped = reference(dataclasses.replace(sc, clip=None))
         assert unclipped["losses"] != ref["losses"], f"{label}: clipping should change the run"
-    if world == 2:
+    if scenarios is P2:
         assert sum(results[2]["host_updates"]) > 0 and sum(results[2]["evictions"]) > 0, "the budget should bite"
+    if scenarios is CROSS2:
+        assert sum(results[-1]["evictions"]) > 0, "the budget should bite"
 
 
-def test_config_reads_checks_and_digests_clip_grad_norm() -> None:
+def test_config_reads_checks_and_digests_clip_grad_norm(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_config(make_cfg()).train.clip_grad_norm is None
     assert load_config(make_cfg("train.clip_grad_norm=1.5")).train.clip_grad_norm == 1.5
     for bad in ("-1", "0", "nan", "abc"):
         with pytest.raises(ConfigError, match="train.clip_grad_norm"):
             load_config(make_cfg(f"train.clip_grad_norm={bad}"))
     for cross in ("pipeline.window=2", "pipeline.shared_ops=delayed", "pipeline.shared_ops=frozen"):
-        with pytest.raises(ConfigError, match=r"train.clip_grad_norm / pipeline.window, pipeline.shared_ops"):
-            load_config(make_cfg("train.clip_grad_norm=1.0", cross))
+        load_config(make_cfg("train.clip_grad_norm=1.0", cross))  # one process, or one stage per process
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        load_config(make_cfg("train.clip_grad_norm=1.0", cross))
+        with pytest.raises(ConfigError, match=r"^train.clip_grad_norm / pipeline.window, pipeline.shared_ops, "
+                                              r"pipeline.stages: found .* pipeline.stages 2 of 4 processes"):
+            load_config(make_cfg("train.clip_grad_norm=1.0", cross, "pipeline.stages=2"))  # replicated stages
+        load_config(make_cfg("train.clip_grad_norm=1.0", "pipeline.stages=2"))  # flushed steps: the fold, then the norm
+        with pytest.raises(ConfigError, match=r"^train.clip_grad_norm / pipeline.delay_compensation: found"):
+            load_config(make_cfg("train.clip_grad_norm=1.0", "pipeline.shared_ops=delayed",
+                                 "pipeline.delay_compensation=dc"))
+        monkeypatch.delenv("WORLD_SIZE")
+    load_config(make_cfg("train.clip_grad_norm=1.0", "pipeline.shared_ops=delayed", "pipeline.delay_compensation=dc"))
     # null is left out of the train digest (older checkpoints keep resuming); a value is in it
     assert "clip_grad_norm" not in train_fields(make_cfg())["train"]
     assert train_fields(make_cfg("train.clip_grad_norm=1.0"))["train"]["clip_grad_norm"] == 1.0
 
 
-def test_engines_refuse_clipping_with_cross_subnet_schedules() -> None:
+def test_auto_stages_take_one_stage_per_process_when_a_cross_subnet_schedule_clips() -> None:
+    from pipeline import PipelineSettings
+    from pipeline.layout import resolve_layout
+
+    graph = build_graph("conv")
+    for settings in (PipelineSettings(stages="auto", window=4), PipelineSettings(stages="auto", shared_ops="delayed")):
+        got = resolve_layout(settings, None, 4, 4, graph, "sgd", (1, 8, 8), 16, clip=True)
+        assert (got.stages, got.replicas) == (4, 1)
+    flushed = resolve_layout(PipelineSettings(stages="auto"), None, 4, 4, graph, "sgd", (1, 8, 8), 16, clip=True)
+    unclipped = resolve_layout(PipelineSettings(stages="auto", window=4), None, 4, 4, graph, "sgd", (1, 8, 8), 16)
+    assert unclipped.replicas > 1, "premise: the planner replicates this space's stages"
+    assert (flushed.stages, flushed.replicas) == (unclipped.stages, unclipped.replicas)  # the planner's pick
+
+
+def test_engines_refuse_clipping_with_replicated_cross_subnet_schedules() -> None:
     from distributed import make_engine
 
+    from pipeline import DistEnv
+
+    env = DistEnv(rank=0, world_size=4, local_rank=0)
     with pytest.raises(ValueError, match="clip_grad_norm"):
-        make_engine(Scenario("conv", "1f1b", extra={"shared_ops": "delayed"}, clip=1.0), build_graph("conv"))
+        make_engine(Scenario("conv", "1f1b", extra={"shared_ops": "delayed", "stages": 2}, clip=1.0),
+                    build_graph("conv"), env=env)

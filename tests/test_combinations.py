@@ -2,6 +2,7 @@
 naming its fields, nothing else is refused, and the README shows the table as it is."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from pathlib import Path
@@ -21,12 +22,26 @@ def test_every_window_mode_budget_combination_passes_without_clipping() -> None:
 
 
 @pytest.mark.parametrize("window,shared", [(4, "exact"), (1, "delayed"), (1, "frozen")])
-def test_clipping_in_a_cross_subnet_schedule_is_one_line(window: int, shared: str) -> None:
+def test_clipping_in_a_cross_subnet_schedule_with_replicas_is_one_line(window: int, shared: str) -> None:
+    settings = PipelineSettings(window=window, shared_ops=shared)
+    for world in (1, 2, 4):  # one process, or one stage per process: combines
+        check(settings, None, clip_grad_norm=1.0, world_size=world)
+        check(dataclasses.replace(settings, stages="auto"), None, clip_grad_norm=1.0, world_size=world)
     with pytest.raises(CombinationError) as e:
-        check(PipelineSettings(window=window, shared_ops=shared), None, clip_grad_norm=1.0)
+        check(dataclasses.replace(settings, stages=2), None, clip_grad_norm=1.0, world_size=4)
     text = str(e.value)
-    assert "\n" not in text and text.startswith("train.clip_grad_norm / pipeline.window, pipeline.shared_ops: found")
-    check(PipelineSettings(), None, clip_grad_norm=1.0)  # flushed steps clip
+    assert "\n" not in text and text.startswith(
+        "train.clip_grad_norm / pipeline.window, pipeline.shared_ops, pipeline.stages: found")
+    check(PipelineSettings(stages=2), None, clip_grad_norm=1.0, world_size=4)  # flushed steps clip after the fold
+    check(dataclasses.replace(settings, stages=2), None, world_size=4)  # no clipping: combines
+
+
+def test_dc_compensation_with_clipping_in_a_pipeline_is_one_line() -> None:
+    dc = PipelineSettings(shared_ops="delayed", delay_compensation="dc")
+    check(dc, None, clip_grad_norm=1.0)  # one process: the reference clips after the rule
+    with pytest.raises(CombinationError, match=r"^train.clip_grad_norm / pipeline.delay_compensation: found"):
+        check(dc, None, clip_grad_norm=1.0, world_size=2)
+    check(dataclasses.replace(dc, delay_compensation="predict"), None, clip_grad_norm=1.0, world_size=2)
 
 
 def test_a_pipeline_budget_beside_the_managers_is_one_line() -> None:

@@ -106,7 +106,7 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
                  origin: Mapping[str, int] | None = None, state_time: Mapping[str, float] | None = None,
                  cap: Sequence[int] | None = None, name: str = "cross", arena: ArenaBound | None = None,
                  split: bool = False, delays: Mapping[str, int] | None = None,
-                 activations: ActivationCap | None = None) -> Schedule:
+                 activations: ActivationCap | None = None, norms: bool = False) -> Schedule:
     """The schedule of ``work`` (subnets in training order) with at most ``window`` unfinished.
 
     ``state_time[op]``: seconds an op's move takes (default 0); ``origin``: each op's stage
@@ -115,21 +115,23 @@ def cross_subnet(work: Sequence[SubnetWork], num_microbatches: int, window: int,
     ``SubnetWork.bwd_weight`` seconds), each ``W`` run where its stage would otherwise idle;
     ``delays``: a delayed op's own delay where not ``delay`` (:class:`Schedule`); ``activations``:
     a byte cap per stage in place of ``cap``'s micro-batch counts (``cap`` then only says which
-    stages hold more than one micro-batch: the rule for subnets that run ahead). Raises
-    :class:`ScheduleError` for inputs of the wrong shape.
+    stages hold more than one micro-batch: the rule for subnets that run ahead); ``norms``: each
+    update clips to a global gradient norm, so it waits for every stage's sums of squares
+    (:class:`Schedule`). Raises :class:`ScheduleError` for inputs of the wrong shape.
     """
     return _admit(work, num_microbatches, window, frozen=frozen, delayed=delayed, delay=delay, origin=origin,
                   state_time=state_time, cap=cap, name=name, arena=arena, split=split, delays=delays,
-                  activations=activations)[0]
+                  activations=activations, norms=norms)[0]
 
 
 def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, frozen: frozenset[str] = frozenset(),
                delayed: frozenset[str] = frozenset(), delay: int = 0, origin: Mapping[str, int] | None = None,
-               name: str | None = None, delays: Mapping[str, int] | None = None) -> Schedule:
+               name: str | None = None, delays: Mapping[str, int] | None = None, norms: bool = False) -> Schedule:
     """Flushed steps back to back: subnet ``t`` runs the one-subnet schedule ``base`` (GPipe,
     1F1B) and then its update ``U`` on every stage, before the stage begins subnet ``t + 1``.
     Each update waits for the last stage's losses, so a subnet drains before the next begins:
-    today's step, per subnet, with the moves the wait rule implies between them::
+    today's step, per subnet, with the moves the wait rule implies between them (``norms``: the
+    updates clip, :class:`Schedule`)::
 
         P=2, M=2, 1F1B, two subnets
         stage 0 |  0F0  0F1  0B0  0B1  0U  0F0@1  0F1@1  0B0@1  0B1@1  0U@1
@@ -147,7 +149,7 @@ def sequential(base: Schedule, uses: Sequence[Sequence[frozenset[str]]], *, froz
     return Schedule(name or f"{base.name}+U", P, base.num_microbatches, tuple(tuple(r) for r in rows),
                     num_subnets=T, uses=tuple(tuple(u) for u in uses), frozen=frozenset(frozen),
                     delayed=frozenset(delayed), delay=delay, delays=tuple(sorted((delays or {}).items())),
-                    origin=tuple(sorted(origin.items())) if origin is not None else None)
+                    origin=tuple(sorted(origin.items())) if origin is not None else None, norms=norms)
 
 
 def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, frozen: frozenset[str],
@@ -155,7 +157,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
            state_time: Mapping[str, float] | None, cap: Sequence[int] | None, name: str,
            arena: ArenaBound | None = None, split: bool = False,
            delays: Mapping[str, int] | None = None,
-           activations: ActivationCap | None = None) -> tuple[Schedule, Clock]:
+           activations: ActivationCap | None = None, norms: bool = False) -> tuple[Schedule, Clock]:
     """:func:`cross_subnet`, and the clock that timed its choices (the builder's estimates)."""
     if not work:
         raise ScheduleError("cross_subnet: expected at least one subnet, found none")
@@ -173,7 +175,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     uses = tuple(w.uses for w in work)
     rule = WaitRule(P, M, T, uses, frozenset(frozen), frozenset(delayed), delay,
                     dict(origin) if origin is not None else None, updates=True,
-                    split=[(t, s) for t in range(T) for s in range(P)] if split else (), delays=delays)
+                    split=[(t, s) for t in range(T) for s in range(P)] if split else (), delays=delays, norms=norms)
     # the simulator's clock: an estimate here is exactly what simulate() replays of the result
     clock = Clock.per_subnet(rule, work, state_time)
     ids = [[[clock.id(Action(s, k, m, t)) for k in "FB" for m in range(M)] + [clock.id(Action(s, "U", 0, t))]
@@ -311,7 +313,7 @@ def _admit(work: Sequence[SubnetWork], num_microbatches: int, window: int, *, fr
     sched = Schedule(name, P, M, tuple(tuple(r) for r in rows), num_subnets=T, uses=uses,
                      frozen=frozenset(frozen), delayed=frozenset(delayed), delay=delay,
                      delays=tuple(sorted((delays or {}).items())),
-                     origin=tuple(sorted(origin.items())) if origin is not None else None)
+                     origin=tuple(sorted(origin.items())) if origin is not None else None, norms=norms)
     return sched, clock
 
 

@@ -78,8 +78,8 @@ class _Net:
                     outs[k] = (k, a.stage, a.subnet * cuts + a.stage)
                 elif w.message == "gradient":
                     outs[k] = (k, cuts + a.stage - 1, (T + a.subnet) * cuts + a.stage - 1)
-                else:  # losses: no cost; state: the op's move, beside the links
-                    outs[k] = (k, -1, self.zero if w.message == "losses" else move[w.op])
+                else:  # losses and gradient norms: no cost; state: the op's move, beside the links
+                    outs[k] = (k, -1, move[w.op] if w.message == "state" else self.zero)
             self.outs.append(tuple(outs.values()))
         self.slots = len(slots)
 

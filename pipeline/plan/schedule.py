@@ -108,7 +108,8 @@ class Wait:
 
     ``message``: what travels from ``action``'s stage to the waiting one — ``"activation"``,
     ``"gradient"``, ``"losses"`` (the last stage's micro-batch losses of a subnet, which every
-    update needs) or ``"state"`` (``op``'s weights and optimizer state moving stage); None: the
+    update needs), ``"norm"`` (a stage's gradient sums of squares of a subnet, which every other
+    stage's update needs when it clips) or ``"state"`` (``op``'s weights and optimizer state moving stage); None: the
     two actions are on the same stage and only their order matters."""
 
     action: Action | None
@@ -142,6 +143,9 @@ class Schedule:
     gives an op (``pipeline.shared_delays``: (op, delay >= 1) pairs); every other op is read
     after the update of the subnet before that uses it (exact). ``origin``: the stage of each
     op before the schedule starts (None: every op already sits where it is first used).
+    ``norms`` (needs ``uses``): the updates clip the subnet's gradients to a global norm
+    (``train.clip_grad_norm``), so each waits for every other stage's sums of squares of the
+    subnet's gradients there, sent after that stage's last backward of the subnet.
     """
 
     name: str
@@ -156,6 +160,7 @@ class Schedule:
     delay: int = 0
     origin: tuple[tuple[str, int], ...] | None = field(default=None)
     delays: tuple[tuple[str, int], ...] = ()
+    norms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "num_microbatches", "num_subnets"):
@@ -189,6 +194,9 @@ class Schedule:
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for _, d in delays):
             raise ScheduleError(f"Schedule.delays: expected (op, int >= 1) pairs, found {delays!r}")
         object.__setattr__(self, "delays", delays)
+        if self.norms and self.uses is None:
+            raise ScheduleError("Schedule.norms: the gradient norm's messages need the ops each subnet runs "
+                                "per stage (Schedule.uses), found none")
 
     def __str__(self) -> str:
         return format_grid(self)
@@ -218,7 +226,7 @@ class Schedule:
         """The wait rule of this schedule (one per schedule; every user asks it)."""
         return WaitRule(self.num_stages, self.num_microbatches, self.num_subnets, self.uses, self.frozen,
                         self.delayed, self.delay, dict(self.origin) if self.origin is not None else None,
-                        self.updates, self.training, self.split, dict(self.delays))
+                        self.updates, self.training, self.split, dict(self.delays), self.norms)
 
 
 class WaitRule:
@@ -230,7 +238,9 @@ class WaitRule:
     * ``W(t, m, s)`` (where ``(t, s)`` is in ``split``) waits for ``B(t, m, s)`` (same stage);
     * ``U(t, s)`` waits for every ``B(t, m, s)`` (every ``W(t, m, s)`` when split) and, off the
       last stage, ``U(t, P - 1)``, which sends the subnet's micro-batch losses (an update is
-      skipped when one is not finite);
+      skipped when one is not finite); with ``norms``, and ops to step on its stage, also the
+      last backward (weight gradient when split) of ``t`` on every other stage with ops to step,
+      which sends its sums of squares of the subnet's gradients there (clipping's global norm);
     * with ``uses``: ``F(t, 0, s)`` waits, for each op it runs, for the update that produces the
       version it reads — the last earlier subnet using the op (exact), the one ``delay + 1``
       users back (delayed), none (frozen) — on the stage that op had then (a ``state`` message
@@ -247,8 +257,9 @@ class WaitRule:
                  uses: tuple[tuple[frozenset[str], ...], ...] | None, frozen: frozenset[str],
                  delayed: frozenset[str], delay: int, origin: Mapping[str, int] | None, updates: bool,
                  training: bool = True, split: Iterable[tuple[int, int]] = (),
-                 delays: Mapping[str, int] | None = None) -> None:
+                 delays: Mapping[str, int] | None = None, norms: bool = False) -> None:
         self.P, self.M, self.T = num_stages, num_microbatches, num_subnets
+        self.norms = norms
         self.delays = dict(delays or {})  # a delayed op's own delay, where not ``delay``
         self.split = frozenset(split)  # the (subnet, stage) pairs with a W per micro-batch
         self.uses, self.frozen, self.delayed, self.delay = uses, frozen, delayed, delay
@@ -270,6 +281,15 @@ class WaitRule:
             return None
         back = self.delays.get(op, self.delay) + 1 if op in self.delayed else 1
         return self.users[op][k - back] if k - back >= 0 else None
+
+    def stepped(self, subnet: int, stage: int) -> frozenset[str]:
+        """The ops subnet ``subnet``'s update steps on ``stage`` (never a frozen one)."""
+        return self.uses[subnet][stage] - self.frozen if self.uses is not None else frozenset()
+
+    def _last_backward(self, t: int, s: int) -> Action:
+        """The action after which subnet ``t``'s gradients on stage ``s`` are final (backwards
+        run in micro-batch order: the last micro-batch's backward, its weight gradient when split)."""
+        return Action(s, "W" if (t, s) in self.split else "B", self.M - 1, t)
 
     def waits(self, a: Action) -> tuple[Wait, ...]:
         got = self._cache.get(a)
@@ -297,6 +317,10 @@ class WaitRule:
                 yield Wait(Action(s, last, k, t))
             if s < P - 1:
                 yield Wait(Action(P - 1, "U", 0, t), "losses")
+            if self.norms and self.stepped(t, s):
+                for s2 in range(P):
+                    if s2 != s and self.stepped(t, s2):
+                        yield Wait(self._last_backward(t, s2), "norm")
             if self.uses is not None:
                 for op in sorted(self.uses[t][s] & self.delayed):
                     k = self._index[op][t]
@@ -355,8 +379,8 @@ class WaitRule:
     def sends(self, a: Action | None, stage: int | None = None) -> tuple[tuple[int, Wait], ...]:
         """The messages the stage of ``a`` sends when ``a`` has run (None: what ``stage`` sends
         at the start, or every stage when ``stage`` is None), as (destination stage, wait), in
-        sending order: activations or gradients, losses to every other stage, then op states by
-        op name."""
+        sending order: activations or gradients, gradient norms or losses to every other stage,
+        then op states by op name."""
         if a is None:
             return tuple((mv.dst, Wait(None, "state", mv.op)) for mv in self._moves_after.get(None, ())
                          if stage is None or mv.src == stage)
@@ -365,7 +389,10 @@ class WaitRule:
             out.append((a.stage + 1, Wait(a, "activation")))
         elif a.kind == "B" and a.stage > 0 and self.training:
             out.append((a.stage - 1, Wait(a, "gradient")))
-        elif a.kind == "U" and a.stage == self.P - 1:
+        if (self.norms and a.kind in "BW" and a == self._last_backward(a.subnet, a.stage)
+                and self.stepped(a.subnet, a.stage)):
+            out += [(s, Wait(a, "norm")) for s in range(self.P) if s != a.stage and self.stepped(a.subnet, s)]
+        if a.kind == "U" and a.stage == self.P - 1:
             out += [(s, Wait(a, "losses")) for s in range(self.P - 1)]
         out += [(mv.dst, Wait(a, "state", mv.op)) for mv in self._moves_after.get(a, ())]
         return tuple(out)
