@@ -167,7 +167,8 @@ class StageExecutor:
             self.shared.drop(op)
 
         def emit(a: Action | None, out: Sequence[torch.Tensor | None] | None, losses: torch.Tensor | None,
-                 kinds: tuple[str, ...] = ("activation", "gradient", "norm", "losses", "state"), after: int = -1) -> None:
+                 kinds: tuple[str, ...] = ("activation", "gradient", "norm", "losses", "state"),
+                 after: int = -1) -> None:
             """Send what the rule says ``a`` sends (only the messages of ``kinds``); on NCCL the
             receive that row action ``after`` needs first goes in the same batch."""
             payload = []

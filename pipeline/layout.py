@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from .plan.mesh import LayoutOption
     from .plan.overhead import RuntimeCosts
 
-__all__ = ["Layout", "LayoutError", "choose_layout", "memory_bound", "one_stage_each", "price_layouts", "resolve_layout",
-           "replicas_of"]
+__all__ = ["Layout", "LayoutError", "choose_layout", "memory_bound", "one_stage_each", "price_layouts",
+           "resolve_layout", "replicas_of"]
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,8 @@ def _unit(op_id: str):
 def choose_layout(settings: PipelineSettings, memory: MemorySettings | None, rank: int, world_size: int,
                   microbatches: int, graph: SupernetGraph, optim: OptimConfig, sample_shape: Sequence[int] | None,
                   batch_size: int | None, device: torch.device | str, seed: int = 0,
-                  costs: CostTable | None = None, clip: bool = False) -> tuple[Layout, CostTable | None, RuntimeCosts | None]:
+                  costs: CostTable | None = None,
+                  clip: bool = False) -> tuple[Layout, CostTable | None, RuntimeCosts | None]:
     """The layout this run takes, and the cost table and runtime costs it was chosen with (None,
     None when nothing was measured). Collective under ``auto`` (every rank of the default group
     calls it alike, after ``init_process_group``); otherwise :func:`resolve_layout`.

@@ -145,12 +145,6 @@ CROSS3 = [Scenario("conv", "1f1b", steps=8, segment=8, sampler="fair", clip=CLIP
                    extra={**MIGRATING, "window": 4})]
 
 
-def reference(sc: Scenario) -> dict:
-    """One process, all resident (the same ``clip``)."""
-    extra = {k: v for k, v in sc.extra.items() if k != "stages"}
-    return one_process(dataclasses.replace(sc, extra=extra, memory={}))
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("world,scenarios", [(2, P2), (4, MESH), (2, CROSS2), (3, CROSS3)],
                          ids=["P2-and-1x2", "2x2", "P2-cross", "P3-cross"])
