@@ -73,11 +73,15 @@ LIMITS: tuple[Limit, ...] = (
           lambda r: f"pipeline.memory_budget_bytes {r.pipeline.memory_budget_bytes!r} beside a tensor-manager budget",
           "the manager's arena bounds each stage's split",
           "set pipeline.memory_budget_bytes=null"),
-    Limit("pipeline.inflight / pipeline.memory_budget_bytes, memory.device_budget_bytes",
-          lambda r: r.pipeline.inflight == "bytes" and (r.memory.virtual or r.pipeline.memory_budget_bytes is not None),
-          lambda r: "inflight 'bytes' with a memory budget",
-          "a stage may then hold more micro-batches of a subnet than the split and the activation plan were "
-          "checked with (the cap counts the heaviest subnet's bytes, not each subnet's own plan)",
+    Limit("pipeline.inflight / pipeline.memory_budget_bytes, memory.activation_budget_bytes",
+          lambda r: r.pipeline.inflight == "bytes" and (r.pipeline.memory_budget_bytes is not None
+                                                        or r.memory.activation_budget_bytes is not None),
+          lambda r: "inflight 'bytes' with " + ("pipeline.memory_budget_bytes"
+                                                if r.pipeline.memory_budget_bytes is not None
+                                                else "memory.activation_budget_bytes"),
+          "those budgets check each subnet's split or activation plan with the count cap's micro-batches of that "
+          "subnet, and the byte cap lets a stage hold more of a lighter one (a tensor-manager budget bounds the "
+          "weights' arena, beside the activations: that combines)",
           "set pipeline.inflight=count"),
 )
 

@@ -154,13 +154,14 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
     ``plan_s``: per S, the CPU seconds of planning one flushed subnet (its wire specs' dry run),
     charged to every stage when the machine has no core to spare for the planning thread
     (``cpus`` <= ``world_size``). The subnets are drawn uniformly: a fair sampler's conflict less,
-    so a window's gain is if anything underestimated."""
+    so a window's gain is if anything underestimated. With ``pipeline.inflight=bytes`` the
+    cross-subnet schedules are priced with the in-flight cap in bytes, as the runtime runs them."""
     import random
 
     from .plan.costs import subnet_problem
     from .plan.mesh import layout_options, meshes
     from .plan.overhead import subnet_work
-    from .plan.partition import solve
+    from .plan.partition import kept_per_microbatch, solve
     from .shared import read_late, shared_ops_of, stateful_ops
     from supernet.execute import cut
 
@@ -173,14 +174,14 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
     windows = (pinned_w,) if pinned_w is not None else (WINDOWS if settings.shared_ops != "exact" else (1,))
     pinned_s = settings.stages if isinstance(settings.stages, int) else (world_size if settings.stages is None else None)
     spare = cpus is not None and cpus > world_size
-    works = {}
+    works, kept = {}, {}
     for s, r in meshes(world_size, microbatches, min(world_size, len(graph.active_ops(archs[0])))):
         if pinned_s is not None and s != pinned_s:
             continue
         # cross-subnet segments send self-describing messages and plan no wire specs
         cross = settings.shared_ops != "exact" or any(w > 1 for w in windows)
         extra = 0.0 if spare or cross else (plan_s or {}).get(s, 0.0)
-        row = []
+        row, kept_row = [], []
         for arch in archs:
             active = graph.active_ops(arch)
             problem = subnet_problem(graph, active, table, s, microbatches // r, settings.schedule, runtime.bandwidth,
@@ -189,11 +190,14 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
             uses = [frozenset(op.op_id for op in sl.ops) & stateful for sl in cut(active, bounds, graph.output)]
             row.append(subnet_work(problem, bounds, uses, runtime, r, settings.reduce, extra_s=extra,
                                    self_describing=cross))
+            kept_row.append(kept_per_microbatch(problem, bounds))
         works[(s, r)] = row
+        kept[(s, r)] = kept_row
     frozen = shared if settings.shared_ops == "frozen" else frozenset()
     delayed, delays = read_late(settings.shared_ops, shared, settings.shared_delay, settings.shared_delays)
     options = layout_options(works, microbatches, batch_size, windows, settings.schedule, frozen=frozen,
-                             delayed=delayed, delay=settings.shared_delay if delayed else 0, delays=delays)
+                             delayed=delayed, delay=settings.shared_delay if delayed else 0, delays=delays,
+                             kept=kept if settings.inflight == "bytes" else None)
     # the few subnets simulated stand for the space: their mean compute against that of many
     # more (a sum per subnet, no schedule) corrects the sample's luck in every option alike
     factor = _sample_factor(graph, table, archs, random.Random(f"{seed}/layout-population"))

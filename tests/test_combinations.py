@@ -56,11 +56,19 @@ def test_the_readme_shows_the_table() -> None:
     assert len(LIMITS) == limits_table().count("\n") - 1
 
 
-def test_byte_caps_with_a_memory_budget_are_one_line() -> None:
-    for pipe, memory in ((PipelineSettings(inflight="bytes", memory_budget_bytes=1e6), None),
-                         (PipelineSettings(inflight="bytes", window=4), MemorySettings(device_budget_bytes=10**6))):
-        with pytest.raises(CombinationError, match=r"^pipeline.inflight / pipeline.memory_budget_bytes, memory.devi"):
+def test_byte_caps_with_a_split_or_activation_budget_are_one_line() -> None:
+    for pipe, memory, what in (
+            (PipelineSettings(inflight="bytes", memory_budget_bytes=1e6), None, "pipeline.memory_budget_bytes"),
+            (PipelineSettings(inflight="bytes", window=4),
+             MemorySettings(device_budget_bytes=10**6, activations="auto", activation_budget_bytes=10**5),
+             "memory.activation_budget_bytes")):
+        with pytest.raises(CombinationError, match=r"^pipeline.inflight / pipeline.memory_budget_bytes, memory.activa"):
+            check(pipe, memory)
+        with pytest.raises(CombinationError, match=f"found inflight 'bytes' with {what}"):
             check(pipe, memory)
     check(PipelineSettings(inflight="bytes", window=4), MemorySettings())  # all resident: combines
+    for activations in ("keep", "swap", "recompute", "auto"):  # a tensor-manager budget bounds the weights: combines
+        check(PipelineSettings(inflight="bytes", window=4),
+              MemorySettings(device_budget_bytes=10**6, activations=activations))
     with pytest.raises(ValueError, match="pipeline.inflight: expected 'count' or 'bytes', found 'pages'"):
         PipelineSettings(inflight="pages")

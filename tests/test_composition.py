@@ -1,5 +1,6 @@
 """Every capability composes: cross-subnet windows, delayed and frozen shared ops, replicated
-stages and a tensor-manager budget, together, compute the one-process run's bits.
+stages and a tensor-manager budget, the in-flight cap in bytes and gradient clipping, together,
+compute the one-process run's bits.
 
 The one stage executor (pipeline/executor.py) runs flushed steps and cross-subnet segments
 alike, with ops moving as the schedule's state messages and the tensor manager pinning each
@@ -67,6 +68,10 @@ def scenarios(stages: int | None) -> list[Scenario]:
             # the default hybrid placement: an op in use keeps the state it was fetched with, so the
             # admission counts it (two subnets' ops with their state would not fit here)
             sc("resmlp", 4, "frozen", budgeted("resmlp", "sgd", "fair", fraction=0.7)),
+            # the in-flight cap in bytes and clipping's norm messages, with a budget
+            with_extra(sc("conv", 4, "delayed", budgeted("conv", "sgd", "fair"), clip=0.5), inflight="bytes"),
+            with_extra(sc("transformer", 3, "exact", budgeted("transformer", "adamw", "fair", optimizer="hybrid"),
+                          optimizer="adamw", clip=0.5), inflight="bytes"),
         ]
     return [  # the (2, 2) mesh: two replicas of a 2-stage pipeline
         sc("transformer", 4, "delayed", None),
@@ -78,7 +83,12 @@ def scenarios(stages: int | None) -> list[Scenario]:
         # the B/W split with replicas: a replica k > 0 keeps each W's contribution apart
         dataclasses.replace(sc("conv", 4, "delayed", None), schedule="zbh1"),
         dataclasses.replace(sc("transformer", 1, "exact", budgeted("transformer", "sgd", "fair")), schedule="zbh1"),
+        with_extra(sc("conv", 4, "delayed", budgeted("conv", "sgd", "fair")), inflight="bytes"),
     ]
+
+
+def with_extra(sc: Scenario, **extra) -> Scenario:
+    return dataclasses.replace(sc, extra={**sc.extra, **extra})
 
 
 def reference(sc: Scenario) -> dict:

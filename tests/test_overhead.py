@@ -2,6 +2,8 @@
 (pipeline/plan/mesh.py layout_options, pipeline/layout.py price_layouts): pure, small cases."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipeline import PipelineSettings
@@ -180,3 +182,20 @@ def test_the_sample_of_subnets_is_scaled_to_the_space() -> None:
         layout._sample_factor = real
     assert raw[0].step_s / raw[1].step_s == pytest.approx(ratio)
     assert opts[0].samples_per_s * opts[0].step_s == pytest.approx(raw[0].samples_per_s * raw[0].step_s)
+
+
+def test_byte_caps_are_priced_as_the_runtime_runs_them() -> None:
+    """``pipeline.inflight=bytes``: the chooser prices cross-subnet schedules with the byte cap
+    (flushed steps have no cap to change); subnets that keep the same bytes get the count cap's."""
+    shared = frozenset({"stem"})
+    works = _works(2, 1, subnets=8, shared=shared)
+    count = seconds_per_subnet(works, 8, 4, delayed=shared, delay=1)
+    assert seconds_per_subnet(works, 8, 4, delayed=shared, delay=1, kept=[(100, 100)] * 8) == count
+    table = analytic_costs(GRAPH, (1, 8, 8), 16)
+    costs = RuntimeCosts(latency_s=1e-4, bandwidth=1e9)
+    settings = PipelineSettings(stages=2, window="auto", shared_ops="delayed")
+    by_count = price_layouts(GRAPH, table, costs, 2, 4, 64, settings)
+    by_bytes = price_layouts(GRAPH, table, costs, 2, 4, 64, dataclasses.replace(settings, inflight="bytes"))
+    assert [(o.stages, o.window) for o in by_bytes] == [(o.stages, o.window) for o in by_count]
+    assert by_bytes[0] == by_count[0]  # window 1: flushed
+    assert any(b.step_s != c.step_s for b, c in zip(by_bytes[1:], by_count[1:])), "the byte cap priced nothing"

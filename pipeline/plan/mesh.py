@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .admission import SubnetWork, cross_subnet, sequential
+from .admission import ActivationCap, SubnetWork, cross_subnet, sequential, stage_caps
 from .partition import PartitionProblem, solve, stage_work
 from .schedule import build as build_schedule
 from .simulate import simulate
@@ -110,37 +110,43 @@ def meshes(world: int, microbatches: int, max_stages: int) -> list[tuple[int, in
 
 def seconds_per_subnet(work: Sequence[SubnetWork], microbatches: int, window: int, schedule: str = "1f1b", *,
                        frozen: frozenset[str] = frozenset(), delayed: frozenset[str] = frozenset(),
-                       delay: int = 0, delays: Mapping[str, int] | None = None) -> float:
+                       delay: int = 0, delays: Mapping[str, int] | None = None,
+                       kept: Sequence[Sequence[int]] | None = None) -> float:
     """The simulated makespan of ``work`` (subnets in training order, each over the same S
     stages, ``microbatches`` each) run as the runtime runs it, per subnet: flushed steps of
     ``schedule`` at ``window`` 1, the admission builder's cross-subnet schedule above (with every
     backward split when ``schedule`` is ``zbh1``, as the runtime splits them); ``delays``: a
-    delayed op's own delay where not ``delay``."""
+    delayed op's own delay where not ``delay``; ``kept``: per subnet and stage, the activation
+    bytes a micro-batch keeps there, for the in-flight cap in bytes (``pipeline.inflight=bytes``,
+    :class:`~pipeline.plan.admission.ActivationCap`; None: the count cap)."""
     P = len(work[0].uses)
     uses = [w.uses for w in work]
     if window == 1:
         sch = sequential(build_schedule(schedule, P, microbatches), uses, frozen=frozen, delayed=delayed, delay=delay,
                          delays=delays)
     else:
-        sch = cross_subnet(work, microbatches, window, frozen=frozen, delayed=delayed, delay=delay,
-                           split=schedule == "zbh1", delays=delays)
+        split = schedule == "zbh1"
+        sch = cross_subnet(work, microbatches, window, frozen=frozen, delayed=delayed, delay=delay, split=split,
+                           delays=delays, activations=ActivationCap.like(stage_caps(P, split), kept) if kept else None)
     return simulate(sch, work=work).step_time / len(work)
 
 
 def layout_options(works: dict[tuple[int, int], Sequence[SubnetWork]], microbatches: int, batch_size: int,
                    windows: Sequence[int] = (1,), schedule: str = "1f1b", *, frozen: frozenset[str] = frozenset(),
                    delayed: frozenset[str] = frozenset(), delay: int = 0,
-                   delays: Mapping[str, int] | None = None) -> list[LayoutOption]:
+                   delays: Mapping[str, int] | None = None,
+                   kept: Mapping[tuple[int, int], Sequence[Sequence[int]]] | None = None) -> list[LayoutOption]:
     """Every (S, R) of ``works`` (its subnets' work, priced for that mesh: M / R micro-batches,
     reductions over R) with every window in ``windows`` (one stage has no bubble to fill: S = 1
-    only with the smallest), by S then W."""
+    only with the smallest), by S then W. ``kept``: per (S, R), the subnets' activation bytes per
+    micro-batch and stage, for the in-flight cap in bytes (None: the count cap)."""
     out = []
     for (s, r), work in sorted(works.items()):
         for w in sorted(set(windows)):
             if s == 1 and w != min(windows):
                 continue
             step = seconds_per_subnet(work, microbatches // r, w, schedule, frozen=frozen, delayed=delayed,
-                                      delay=delay, delays=delays)
+                                      delay=delay, delays=delays, kept=kept.get((s, r)) if kept else None)
             out.append(LayoutOption(s, r, w, step, batch_size / step if step > 0 else float("inf")))
     return out
 
