@@ -173,12 +173,14 @@ class GradClip:
             raise ValueError(f"train.clip_grad_norm: expected a positive number or null, found {self.max_norm!r}")
 
     def __call__(self, modules: Sequence[nn.Module], device: torch.device,
-                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+                 exchange: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 sums: torch.Tensor | None = None) -> float:
         """Clip the gradients of ``modules`` (this process's ops of the subnet, in op order): each
         is replaced by its scaled copy, never scaled in place (with replicas on one host it may be
         a view of the shared sum every replica reads; the same bits as ``mul_``); returns the
-        global norm before clipping (a collective when ``exchange`` is given)."""
-        sums = grad_sq_sums(modules, device)
+        global norm before clipping (a collective when ``exchange`` is given). ``sums``: their
+        :func:`grad_sq_sums`, when already taken (the gradients unchanged since)."""
+        sums = grad_sq_sums(modules, device) if sums is None else sums
         total = 0.0
         for v in (exchange(sums) if exchange is not None else sums).tolist():  # op order, on every rank alike
             total += v

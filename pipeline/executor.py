@@ -180,8 +180,8 @@ class StageExecutor:
                     send_state(w.op, dst, for_subnet[(a, w.op)])
                 elif w.message == "norm":  # the subnet's gradients here are final: clipping's sums
                     if norm is None:
-                        norm = grad_sq_sums(self._updated(rule.stepped(a.subnet, me), seg.steps[a.subnet]),
-                                            self.device)
+                        norm = norms[a.subnet][me] = grad_sq_sums(
+                            self._updated(rule.stepped(a.subnet, me), seg.steps[a.subnet]), self.device)
                     payload.append(([norm], dst))
                 else:
                     payload.append(([losses] if w.message == "losses" else out, dst))
@@ -200,7 +200,7 @@ class StageExecutor:
         losses = [torch.zeros(M, dtype=torch.float64, device=self.device) if me == last else None
                   for _ in seg.steps]
         values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
-        norms: list[dict[int, torch.Tensor]] = [{} for _ in seg.steps]  # per subnet: the other stages' sums
+        norms: list[dict[int, torch.Tensor]] = [{} for _ in seg.steps]  # per subnet and stage: clipping's sums
         policies = [activation_policy(p.stage_activations(me), self.peer) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
@@ -337,7 +337,8 @@ class StageExecutor:
         flight keep theirs); returns the micro-batch losses it decided on. The subnet's one host
         read: its losses (on the device until here). With replicas the gradients are folded on
         the modules the subnet ran (a delayed op's private version) before they go to the live op.
-        ``norms``: with clipping by messages (``Schedule.norms``), the other stages' sums of squares."""
+        ``norms``: with clipping by messages (``Schedule.norms``), the stages' sums of squares by stage
+        (this one's when it sent them)."""
         mb_losses = tuple(losses.tolist())
         ordered = sorted(ops)
         if self.reducer is not None:

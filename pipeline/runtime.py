@@ -402,19 +402,21 @@ class PipelineEngine:
         """``train.clip_grad_norm`` for an update of ``plan``: the whole subnet's per-op sums of
         squares, in op order (stage by stage), added on every rank alike: the norm one process
         computes. ``norms``: the other stages' sums, sent to this one after their last backward
-        of the subnet (the schedule's ``norm`` messages; one stage: none); None with replicas,
+        of the subnet (the schedule's ``norm`` messages; one stage: none), and this stage's own
+        under its index when it sent them (not taken twice); None with replicas,
         where the norm is taken after the fold, on gradients every replica holds alike: this
         stage's sums go into a zero vector of the subnet's ops at its offset and one all-reduce
         over this replica's stages adds them exactly (x + 0 = x). None: no clipping."""
         if self.clip is None:
             return None
         if norms is not None or self.num_stages == 1:
-            me, got = self.stage_index, norms or {}
+            me, got = self.stage_index, dict(norms or {})
+            own = got.pop(me, None)  # this stage's sums, taken when it sent them
 
             def gather(mine: torch.Tensor) -> torch.Tensor:
                 return torch.cat([mine if s == me else got[s] for s in range(self.num_stages) if s == me or s in got])
 
-            return lambda mods: self.clip(mods, self.device, gather if got else None) if mods else None
+            return lambda mods: self.clip(mods, self.device, gather if got else None, own) if mods else None
         sizes = [len(sl.ops) for sl in plan.slices]
         lo, n = sum(sizes[:self.stage_index]), sum(sizes)
 
