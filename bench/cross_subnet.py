@@ -57,6 +57,10 @@ moves after the update before):
   bytes, the count cap's worst case (``pipeline.plan.admission.ActivationCap.like``: the same
   peak, more micro-batches of the subnets that keep less there), beside the count cap
   (``count_cap_*``, ``over_count_cap``); ``activation_bytes_max_over_mean`` per stage.
+* ``clip`` rows (``--clip``; fair/delayed): the runtime's settings (1F1B's cap without the split,
+  ZB-H1's with it, eps 0.05) with clipping (``train.clip_grad_norm``: every update waits for
+  every stage's last backward of its subnet, ``Schedule.norms``), window and delay from the grid,
+  beside the same without (``unclipped_*``, ``over_unclipped``): what the global norm costs.
 * ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
 
 Real rows (``--mode real``: gloo runs of the app on this machine, P = 2, M = 4, alternating
@@ -220,13 +224,14 @@ def _flush_1f1b(work: Sequence[SubnetWork], M: int, origin: Mapping[str, int]) -
 def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: int, shared: frozenset[str],
             origin: Mapping[str, int], state_time: Mapping[str, float], cap: int | None = 1,
             split: bool = False, delays: Mapping[str, int] | None = None,
-            per_microbatch: Sequence[Sequence[int]] | None = None) -> dict:
+            per_microbatch: Sequence[Sequence[int]] | None = None, norms: bool = False) -> dict:
     """Utilisation and makespan of the cross-subnet schedule of ``work``; ``cap``: the in-flight
     cap per stage in multiples of 1F1B's ``P - s`` (None: the builder's default, 1F1B's, or with
     the split ``P`` on every stage); ``split``: every backward split into B and W; ``delays``: a
     shared op's own delay (``pipeline.shared_delays``); ``per_microbatch``: each subnet's
     activation bytes per micro-batch and stage (:func:`plan_stream`'s ``kept_out``): the cap then counts
-    bytes, the count cap's worst case (``ActivationCap.like``)."""
+    bytes, the count cap's worst case (``ActivationCap.like``); ``norms``: every update clips
+    (``train.clip_grad_norm``), so it waits for every stage's last backward of its subnet."""
     P = len(work[0].uses)
     late, own = read_late(mode, shared, delay, delays or {})
     counts = stage_caps(P, split) if cap is None else [cap * (P - s) for s in range(P)]
@@ -234,7 +239,7 @@ def figures(work: Sequence[SubnetWork], M: int, window: int, mode: str, delay: i
               frozen=shared if mode == "frozen" else frozenset(),
               delayed=late, delay=delay if mode == "delayed" else 0, delays=own,
               activations=None if per_microbatch is None else ActivationCap.like(counts, per_microbatch))
-    sched = cross_subnet(work, M, window, split=split, **kw)
+    sched = cross_subnet(work, M, window, split=split, norms=norms, **kw)
     r = simulate(sched, work=work, state_time=state_time)
     return {"utilisation": sum(r.busy) / (P * r.step_time), "makespan_s": r.step_time,
             "update_share": sum(sum(w.update) for w in work) / sum(r.busy)}
@@ -259,14 +264,16 @@ def grid(P: int, M: int, mode: str, subnets: int) -> list[tuple[int, int]]:
 
 
 def choose(work, M: int, mode: str, shared, origin, state_time, cap: int = 1, split: bool = False,
-           delays: Mapping[str, int] | None = None, per_microbatch: Sequence[Sequence[int]] | None = None) -> dict:
+           delays: Mapping[str, int] | None = None, per_microbatch: Sequence[Sequence[int]] | None = None,
+           norms: bool = False) -> dict:
     """The smallest (window, delay) of :func:`grid` meeting the row's target, else the best
     (the grid is cut short where utilisation stops growing: twice no gain of 0.002, once for
     exact shared ops, which flush at their stages whatever the window)."""
     P = len(work[0].uses)
     goal, tried, best, flat = target(P, M), [], None, 0
     for window, delay in grid(P, M, mode, len(work)):
-        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split, delays, per_microbatch)
+        f = figures(work, M, window, mode, delay, shared, origin, state_time, cap, split, delays, per_microbatch,
+                    norms)
         tried.append({"window": window, "delay": delay, "utilisation": round(f["utilisation"], 4)})
         if f["utilisation"] >= goal:
             return {"window": window, "delay": delay, **f, "choice": "smallest meeting the target", "grid": tried}
@@ -313,14 +320,15 @@ def split_row(P: int, M: int, sampler: str, stream: tuple, shared: frozenset[str
 def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, seed: int,
                    modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True,
                    bw_split: bool = True, delays: Mapping[str, int] | None = None,
-                   byte_caps: bool = False) -> list[dict]:
+                   byte_caps: bool = False, clip: bool = False) -> list[dict]:
     """Every simulated row of one (P, M, sampler): one per shared-op mode (the runtime's planner
     tolerance ``eps``, 1F1B's in-flight cap); NASPipe's rule (uniform); for fair/delayed, the
     options (``cross_subnet_options``: the best balance, eps = 0, and twice 1F1B's cap, i.e.
     twice its activation memory), per-window against per-subnet partitions, and (``bw_split``)
     each of those settings with the B/W split beside it without; (``byte_caps``, fair/delayed)
     the runtime's settings with the in-flight cap counted in activation bytes (``byte_caps`` rows)
-    beside the count cap."""
+    beside the count cap; (``clip``, fair/delayed) the runtime's settings with every update
+    waiting for the subnet's gradient norm (``clip`` rows) beside them without."""
     s = make_sampler(sampler, space.graph.space(), seed)
     archs = [s.next() for _ in range(subnets)]
     per: list = []  # each subnet's activation bytes per micro-batch and stage (the byte_caps rows)
@@ -380,6 +388,16 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
                      activation_bytes_max_over_mean=[round(max(r_[k] for r_ in per) * len(per)
                                                            / sum(r_[k] for r_ in per), 3) for k in range(P)])
             out.append(r)
+    if clip:
+        for split, cap in ((False, 1), (True, None)):  # the runtime's caps, without and with the split
+            free = unsplit[(eps, 1)] if not split else choose(work, M, "delayed", shared, origin, state_time, cap,
+                                                               split=True)
+            picked = choose(work, M, "delayed", shared, origin, state_time, cap, split=split, norms=True)
+            r = row(P, M, sampler, "delayed", picked, flush, subnets, seed, bench="clip", cap=cap, eps=eps)
+            r.update(split=split, unclipped_utilisation=free["utilisation"], unclipped_window=free["window"],
+                     unclipped_delay=free["delay"],
+                     over_unclipped=free["makespan_s"] / picked["makespan_s"])  # throughput, the same subnets
+            out.append(r)
     return out
 
 
@@ -423,6 +441,8 @@ def main() -> None:
                     "setting with every backward split into B and W, beside it without)")
     ap.add_argument("--byte-caps", action="store_true", help="add the byte_caps rows (fair, delayed: the "
                     "runtime's caps counted in activation bytes, the count cap's worst case, beside the count cap)")
+    ap.add_argument("--clip", action="store_true", help="add the clip rows (fair, delayed: the runtime's caps with "
+                    "every update waiting for the subnet's gradient norm, train.clip_grad_norm, beside them without)")
     ap.add_argument("--shared-delays", nargs="*", default=[], metavar="OP=D",
                     help="a shared op's own delay in the delayed rows (pipeline.shared_delays), e.g. head=1")
     args, rest = ap.parse_known_args()
@@ -445,7 +465,7 @@ def main() -> None:
             for sampler in args.samplers:
                 t0 = time.perf_counter()
                 got = simulated_rows(space, P, M, sampler, args.subnets, args.seed, args.shared_ops, args.eps,
-                                     not args.no_options, not args.no_bw_split, delays, args.byte_caps)
+                                     not args.no_options, not args.no_bw_split, delays, args.byte_caps, args.clip)
                 for r in got:
                     r["loadavg"] = os.getloadavg()[0]
                 rows += got

@@ -175,3 +175,12 @@ def test_byte_caps_rows_hold_the_count_caps_peak_and_name_their_baseline(space: 
         assert r["over_count_cap"] == pytest.approx(r["utilisation"] / r["count_cap_utilisation"])
         assert all(x >= 1.0 for x in r["activation_bytes_max_over_mean"])
     assert any(v["from"] == "byte_caps" and "count_cap" in v for v in verdicts(got))
+
+
+def test_clip_rows_name_their_unclipped_baseline(space: Space) -> None:
+    got = [r for r in simulated_rows(space, 4, 2, "fair", subnets=12, seed=0, modes=("delayed",), options=False,
+                                     bw_split=False, clip=True) if r["bench"] == "clip"]
+    assert [r["split"] for r in got] == [False, True]
+    for r in got:
+        assert r["over_unclipped"] == pytest.approx(r["utilisation"] / r["unclipped_utilisation"])
+        assert r["unclipped_utilisation"] > 0 and r["unclipped_window"] >= 1
