@@ -108,8 +108,8 @@ class SegmentRun:
         return sum(a["recomputed_ops"] for a in self.activations)
 
 
-# A stage's clipping for one subnet's update: (step, plan, the other stages' sums of squares in
-# stage order, or None where the stages reduce them at the update) -> the clip callable, or None
+# A stage's clipping for one subnet's update: (step, plan, the stages' sums of squares by stage, or
+# None where the stages reduce them at the update) -> the clip callable, or None
 Clipper = Callable[[int, Plan, "dict[int, torch.Tensor] | None"], Callable | None]
 
 
