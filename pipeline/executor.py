@@ -171,21 +171,23 @@ class StageExecutor:
                  after: int = -1) -> None:
             """Send what the rule says ``a`` sends (only the messages of ``kinds``); on NCCL the
             receive that row action ``after`` needs first goes in the same batch."""
-            payload = []
-            norm = None
+            payload, norm_to = [], []
             for dst, w in rule.sends(a, me):
                 if w.message not in kinds:
                     continue
                 if w.message == "state":
                     send_state(w.op, dst, for_subnet[(a, w.op)])
-                elif w.message == "norm":  # the subnet's gradients here are final: clipping's sums
-                    if norm is None:
-                        norm = norms[a.subnet][me] = grad_sq_sums(
-                            self._updated(rule.stepped(a.subnet, me), seg.steps[a.subnet]), self.device)
-                    payload.append(([norm], dst))
+                elif w.message == "norm":
+                    norm_to.append(dst)
                 else:
                     payload.append(([losses] if w.message == "losses" else out, dst))
-            inbox.send(payload, row[after] if 0 <= after < len(row) else None)
+            nxt = row[after] if 0 <= after < len(row) else None
+            if norm_to:  # the gradient leaves first; then the subnet's sums of squares here (now final)
+                inbox.send(payload, None)
+                norm = norms[a.subnet][me] = grad_sq_sums(
+                    self._updated(rule.stepped(a.subnet, me), seg.steps[a.subnet]), self.device)
+                payload = [([norm], dst) for dst in norm_to]
+            inbox.send(payload, nxt)
 
         # the tensor manager: this stage's subnets in the order they begin here, each one's ops
         order = [a.subnet for a in row if a.kind == "F" and a.microbatch == 0]
