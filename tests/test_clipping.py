@@ -2,8 +2,9 @@
 every layout.
 
 * The reference engine against the oracle (tests/oracle.py, plain PyTorch, nothing from
-  ``pipeline``) with the rule written here once more: per op a float64 sum of squares, added in
-  op order, ``scale = max_norm / (norm + 1e-6)`` when below 1. The norm is also checked against
+  ``pipeline``) with the rule written here once more: per op a float64 sum of squares (each
+  gradient's float64 L2 norm, squared), added in op order, ``scale = max_norm / (norm + 1e-6)``
+  when below 1. The norm is also checked against
   torch's own ``get_total_norm``, and clipping must trigger.
 * The reference's delayed shared ops with clipping against the delayed oracle with the rule.
 * One process against P = 2 flushed stages (ops migrating; a tensor-manager budget with host
@@ -49,7 +50,7 @@ class _ClippedOptimizer:
             s = torch.zeros((), dtype=torch.float64)
             for p in m.parameters():
                 if p.grad is not None:
-                    s += p.grad.double().pow(2).sum()
+                    s = s + torch.linalg.vector_norm(p.grad, dtype=torch.float64).square()
             total += s.item()
         norm = math.sqrt(total)
         grads = [p.grad for m in self.ops for p in m.parameters() if p.grad is not None]
