@@ -376,27 +376,26 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
             out.append(split_row(P, M, sampler, streams[e], shared, picked, subnets, seed, cap, e))
         # the runtime's split: its default cap (ZB-H1's rule), beside the runtime without the split
         out.append(split_row(P, M, sampler, streams[eps], shared, unsplit[(eps, 1)], subnets, seed, None, eps))
-    if byte_caps:
-        for split, cap in ((False, 1), (True, None)):  # the runtime's caps, without and with the split
-            counted = unsplit[(eps, 1)] if not split else choose(work, M, "delayed", shared, origin, state_time, cap,
-                                                                  split=True)
+    # the runtime's caps (1F1B's without the split, ZB-H1's with it), each beside the same without
+    # the variant: the delayed choice above, or the grid's choice with the split
+    runtime_caps = ((False, 1, unsplit[(eps, 1)]), (True, None, None))
+    for split, cap, base in runtime_caps if byte_caps or clip else ():
+        base = base or choose(work, M, "delayed", shared, origin, state_time, cap, split=True)
+        if byte_caps:
             picked = choose(work, M, "delayed", shared, origin, state_time, cap, split=split, per_microbatch=per)
             r = row(P, M, sampler, "delayed", picked, flush, subnets, seed, bench="byte_caps", cap=cap, eps=eps)
             r.update(split=split, cap=f"{r['cap']}, counted in activation bytes (the count cap's worst case)",
-                     count_cap_utilisation=counted["utilisation"], count_cap_window=counted["window"],
-                     over_count_cap=counted["makespan_s"] / picked["makespan_s"],  # throughput, the same subnets
+                     count_cap_utilisation=base["utilisation"], count_cap_window=base["window"],
+                     over_count_cap=base["makespan_s"] / picked["makespan_s"],  # throughput, the same subnets
                      activation_bytes_max_over_mean=[round(max(r_[k] for r_ in per) * len(per)
                                                            / sum(r_[k] for r_ in per), 3) for k in range(P)])
             out.append(r)
-    if clip:
-        for split, cap in ((False, 1), (True, None)):  # the runtime's caps, without and with the split
-            free = unsplit[(eps, 1)] if not split else choose(work, M, "delayed", shared, origin, state_time, cap,
-                                                               split=True)
+        if clip:
             picked = choose(work, M, "delayed", shared, origin, state_time, cap, split=split, norms=True)
             r = row(P, M, sampler, "delayed", picked, flush, subnets, seed, bench="clip", cap=cap, eps=eps)
-            r.update(split=split, unclipped_utilisation=free["utilisation"], unclipped_window=free["window"],
-                     unclipped_delay=free["delay"],
-                     over_unclipped=free["makespan_s"] / picked["makespan_s"])  # throughput, the same subnets
+            r.update(split=split, unclipped_utilisation=base["utilisation"], unclipped_window=base["window"],
+                     unclipped_delay=base["delay"],
+                     over_unclipped=base["makespan_s"] / picked["makespan_s"])  # throughput, the same subnets
             out.append(r)
     return out
 
