@@ -175,6 +175,7 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
     pinned_s = settings.stages if isinstance(settings.stages, int) else (world_size if settings.stages is None else None)
     spare = cpus is not None and cpus > world_size
     works, kept = {}, {}
+    by_bytes = settings.inflight == "bytes"  # the byte cap prices with each subnet's kept bytes
     for s, r in meshes(world_size, microbatches, min(world_size, len(graph.active_ops(archs[0])))):
         if pinned_s is not None and s != pinned_s:
             continue
@@ -190,14 +191,16 @@ def price_layouts(graph: SupernetGraph, table: CostTable, runtime: RuntimeCosts,
             uses = [frozenset(op.op_id for op in sl.ops) & stateful for sl in cut(active, bounds, graph.output)]
             row.append(subnet_work(problem, bounds, uses, runtime, r, settings.reduce, extra_s=extra,
                                    self_describing=cross))
-            kept_row.append(kept_per_microbatch(problem, bounds))
+            if by_bytes:
+                kept_row.append(kept_per_microbatch(problem, bounds))
         works[(s, r)] = row
-        kept[(s, r)] = kept_row
+        if by_bytes:
+            kept[(s, r)] = kept_row
     frozen = shared if settings.shared_ops == "frozen" else frozenset()
     delayed, delays = read_late(settings.shared_ops, shared, settings.shared_delay, settings.shared_delays)
     options = layout_options(works, microbatches, batch_size, windows, settings.schedule, frozen=frozen,
                              delayed=delayed, delay=settings.shared_delay if delayed else 0, delays=delays,
-                             kept=kept if settings.inflight == "bytes" else None)
+                             kept=kept if by_bytes else None)
     # the few subnets simulated stand for the space: their mean compute against that of many
     # more (a sum per subnet, no schedule) corrects the sample's luck in every option alike
     factor = _sample_factor(graph, table, archs, random.Random(f"{seed}/layout-population"))
