@@ -43,9 +43,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--spaces", nargs="+", default=["conv", "transformer", "resmlp"])
     ap.add_argument("--variants", nargs="*", default=None, metavar="OVERRIDE",
-                    help="only these of the window-4 delayed rows (e.g. memory.activations=swap), no base grid")
+                    help="only these of the window-4 delayed rows (e.g. memory.activations=swap; several overrides "
+                         "in one quoted argument make one row), no base grid")
     args = ap.parse_args()
-    variants = VARIANTS if args.variants is None else tuple((v,) for v in args.variants)
+    variants = VARIANTS if args.variants is None else tuple(tuple(v.split()) for v in args.variants)
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-cuda-compose-"))
     common = [f"device={args.device}"]
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -60,18 +61,24 @@ def main() -> None:
 
         def one(cell: tuple, budgeted: bool) -> tuple[str | None, float, str, int]:
             sp, w, m, variant = cell
-            extra = [f"memory.device_budget_bytes={budget[sp, variant]}", *variant] if budgeted else []
+            extra = [*([f"memory.device_budget_bytes={budget[sp, variant]}"] if budgeted else []), *variant]
             name = re.sub(r"[^A-Za-z0-9]+", "_", f"{sp}-{w}-{m}-{'-'.join(variant)}-{int(budgeted)}")
             code, secs, tail = run([PY, "-m", "search", *base_args(sp, args.steps), *common, f"pipeline.window={w}",
                                     f"pipeline.shared_ops={m}", *extra], tmp / name)
             return (digest_of(tmp / name) if code == 0 else None), secs, tail, code
 
-        refs = {(sp, w, m): pool.submit(one, (sp, w, m, ()), False) for sp, w, m in {c[:3] for c in cells}}
+        def math(cell: tuple) -> tuple:
+            """The cell less its memory settings: what its all-resident twin runs (a clipped row's twin clips)."""
+            sp, w, m, variant = cell
+            return sp, w, m, tuple(o for o in variant if not o.startswith("memory."))
+
+        refs = {key: pool.submit(one, key, False) for key in {math(c) for c in cells}}
         runs = [(c, pool.submit(one, c, True)) for c in cells]
         counts = {"runs": 0, "equal": 0, "failed": 0}
-        for (sp, w, m, variant), fut in runs:
+        for cell, fut in runs:
+            sp, w, m, variant = cell
             got, secs, tail, code = fut.result()
-            ref, _, ref_tail, ref_code = refs[(sp, w, m)].result()
+            ref, _, ref_tail, ref_code = refs[math(cell)].result()
             row = {"kind": "run", "device": args.device, "space": sp, "window": w, "shared_ops": m,
                    "variant": " ".join(variant), "budget": budget[sp, variant], "op_state": whole[sp],
                    "below_half": budget[sp, variant] < whole[sp] / 2, "digest": got, "all_resident": ref,
