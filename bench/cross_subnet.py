@@ -62,6 +62,9 @@ moves after the update before):
   every stage's last backward of its subnet, ``Schedule.norms``), window and delay from the grid,
   beside the same without (``unclipped_*``, ``over_unclipped``): what the global norm costs.
 * ``cross_subnet_verdict`` lines: the issue's targets (fair, delayed), met or missed, per row.
+* ``--objective minmax``: every stream partitioned with the planner's other objective
+  (``pipeline.objective=minmax``: the fewest moved bytes within ``eps`` of the best slowest stage,
+  instead of the step time a better balance saves); each row names its ``objective``.
 
 Real rows (``--mode real``: gloo runs of the app on this machine, P = 2, M = 4, alternating
 rounds, the same fields) come from ``bench/cross_subnet_real.py``, which this script runs.
@@ -175,16 +178,17 @@ def _block_problem(space: Space, actives: Sequence, cut_bytes: Sequence[int], P:
 
 
 def plan_stream(space: Space, archs: Sequence, P: int, M: int, eps: float = 0.05,
-                block: int | None = None, bounds_out: list | None = None, kept_out: list | None = None
-                ) -> tuple[list[SubnetWork], dict[str, int], dict[str, float]]:
+                block: int | None = None, bounds_out: list | None = None, kept_out: list | None = None,
+                objective: str = "step") -> tuple[list[SubnetWork], dict[str, int], dict[str, float]]:
     """Each subnet's work under the dynamic planner's partitions, chained through the op owners
     as the runtime does; with ``block``: one partition per ``block`` consecutive subnets (the
     planner on the block's mean costs). Also each op's stage before the first subnet, and each
     op's move seconds; ``bounds_out`` (a list) receives each subnet's partition bounds, and
     ``kept_out`` its activation bytes per micro-batch and stage (the runtime's ``Plan.kept``:
-    ``pipeline.plan.partition.kept_per_microbatch``)."""
+    ``pipeline.plan.partition.kept_per_microbatch``). ``objective``: the planner's
+    (``pipeline.objective``: ``step`` or ``minmax``)."""
     graph, link = space.graph, space.link
-    planner = DynamicPlanner(eps, objective="step")
+    planner = DynamicPlanner(eps, objective=objective)
     owners = initial_owners(graph.slots(), P)
     origin = {op: s for op, s in owners.items() if op in space.stateful}
     actives = [graph.active_ops(a) for a in archs]
@@ -320,7 +324,7 @@ def split_row(P: int, M: int, sampler: str, stream: tuple, shared: frozenset[str
 def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, seed: int,
                    modes: Sequence[str] = SHARED_MODES, eps: float = 0.05, options: bool = True,
                    bw_split: bool = True, delays: Mapping[str, int] | None = None,
-                   byte_caps: bool = False, clip: bool = False) -> list[dict]:
+                   byte_caps: bool = False, clip: bool = False, objective: str = "step") -> list[dict]:
     """Every simulated row of one (P, M, sampler): one per shared-op mode (the runtime's planner
     tolerance ``eps``, 1F1B's in-flight cap); NASPipe's rule (uniform); for fair/delayed, the
     options (``cross_subnet_options``: the best balance, eps = 0, and twice 1F1B's cap, i.e.
@@ -328,11 +332,12 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     each of those settings with the B/W split beside it without; (``byte_caps``, fair/delayed)
     the runtime's settings with the in-flight cap counted in activation bytes (``byte_caps`` rows)
     beside the count cap; (``clip``, fair/delayed) the runtime's settings with every update
-    waiting for the subnet's gradient norm (``clip`` rows) beside them without."""
+    waiting for the subnet's gradient norm (``clip`` rows) beside them without. ``objective``: the
+    planner's for every partition (each row names it)."""
     s = make_sampler(sampler, space.graph.space(), seed)
     archs = [s.next() for _ in range(subnets)]
     per: list = []  # each subnet's activation bytes per micro-batch and stage (the byte_caps rows)
-    work, origin, state_time = plan_stream(space, archs, P, M, eps, kept_out=per)
+    work, origin, state_time = plan_stream(space, archs, P, M, eps, kept_out=per, objective=objective)
     shared = shared_ops_of(space.graph)
     flush = flush_figures(work, M, origin, state_time)
     out = []
@@ -356,7 +361,7 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
     if options:
         for e, cap in ((0.0, 1), (eps, 2), (0.0, 2)):
             if e not in streams:
-                w = plan_stream(space, archs, P, M, e)
+                w = plan_stream(space, archs, P, M, e, objective=objective)
                 streams[e] = (*w, flush_figures(w[0], M, w[1], w[2]))
             w, o, st, fl = streams[e]
             picked = unsplit[(e, cap)] = choose(w, M, "delayed", shared, o, st, cap)
@@ -364,7 +369,7 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
                            cap=cap, eps=e))
         # one partition per window of subnets, against one per subnet: same window, delay, cap, eps
         win, d = picked_delayed["window"], picked_delayed["delay"]
-        bwork, borigin, bstate = plan_stream(space, archs, P, M, eps, block=win)
+        bwork, borigin, bstate = plan_stream(space, archs, P, M, eps, block=win, objective=objective)
         f = figures(bwork, M, win, "delayed", d, shared, borigin, bstate)
         r = row(P, M, sampler, "delayed", {"window": win, "delay": d, **f, "choice": "per-window partition"},
                 flush_figures(bwork, M, borigin, bstate), subnets, seed, bench="per_window_partition", eps=eps)
@@ -435,6 +440,8 @@ def main() -> None:
     ap.add_argument("--samplers", nargs="+", default=["uniform", "fair"], choices=["uniform", "fair"])
     ap.add_argument("--shared-ops", nargs="+", default=list(SHARED_MODES), choices=list(SHARED_MODES))
     ap.add_argument("--eps", type=float, default=0.05, help="the dynamic planner's tolerance (pipeline.eps)")
+    ap.add_argument("--objective", choices=["step", "minmax"], default="step",
+                    help="the dynamic planner's objective (pipeline.objective)")
     ap.add_argument("--no-options", action="store_true", help="skip the eps = 0 / 2x cap / per-window rows")
     ap.add_argument("--no-bw-split", action="store_true", help="skip the bw_split rows (fair, delayed: each "
                     "setting with every backward split into B and W, beside it without)")
@@ -464,9 +471,11 @@ def main() -> None:
             for sampler in args.samplers:
                 t0 = time.perf_counter()
                 got = simulated_rows(space, P, M, sampler, args.subnets, args.seed, args.shared_ops, args.eps,
-                                     not args.no_options, not args.no_bw_split, delays, args.byte_caps, args.clip)
+                                     not args.no_options, not args.no_bw_split, delays, args.byte_caps, args.clip,
+                                     args.objective)
                 for r in got:
                     r["loadavg"] = os.getloadavg()[0]
+                    r["objective"] = args.objective
                 rows += got
                 progress(f"P={P} M={M} {sampler}: {time.perf_counter() - t0:.1f} s; " + ", ".join(
                     f"{r['bench']}/{r['shared_ops']} w={r['window']} d={r['delay']} util {r['utilisation']:.3f} "

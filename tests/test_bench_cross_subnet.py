@@ -13,7 +13,8 @@ from bench.cross_subnet import (  # noqa: E402
     weight_grad,
 )
 from pipeline.plan.costs import analytic_costs, subnet_problem  # noqa: E402
-from pipeline.plan.placement import initial_owners  # noqa: E402
+from pipeline.plan.placement import initial_owners, moves  # noqa: E402
+from pipeline.plan.planners import DynamicPlanner  # noqa: E402
 from search.samplers import make_sampler  # noqa: E402
 from supernet.spaces import transformer  # noqa: E402
 
@@ -69,6 +70,25 @@ def test_each_subnets_work_is_its_partition(space: Space) -> None:
     for k in range(0, 6, 3):
         sizes = {tuple(len(u) for u in w.uses) for w in block[k:k + 3]}
         assert len(sizes) == 1
+
+
+@pytest.mark.parametrize("objective", ["step", "minmax"])
+def test_the_stream_is_partitioned_with_the_planners_objective(space: Space, objective: str) -> None:
+    # plan_stream's bounds are the runtime's planner's with that objective, chained through the owners
+    archs = _archs(space, 6)
+    got: list = []
+    plan_stream(space, archs, 4, 2, bounds_out=got, objective=objective)
+    planner, owners = DynamicPlanner(0.05, objective=objective), initial_owners(space.graph.slots(), 4)
+    before = None
+    for arch, bounds in zip(archs, got):
+        active = space.graph.active_ops(arch)
+        problem = subnet_problem(space.graph, active, space.table, 4, 2, "1f1b", SMALL["link"]["bandwidth"],
+                                 SMALL["link"]["latency_s"])
+        want = planner.plan(problem, {op.op_id: owners[op.op_id] for op in active}, before).bounds
+        assert tuple(bounds) == tuple(want)
+        for mv in moves(active, want, owners):
+            owners[mv.op_id] = mv.dst
+        before = frozenset(op.op_id for op in active)
 
 
 def test_weight_grad_of_ops_with_and_without_parameters(space: Space) -> None:
