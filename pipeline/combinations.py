@@ -32,14 +32,6 @@ class Run:
     clip_grad_norm: float | None = None
     world_size: int = 1  # the processes (torchrun's WORLD_SIZE)
 
-    @property
-    def replicated(self) -> bool:
-        """Whether the stages have replicas: ``pipeline.stages`` a number below the process count
-        (``auto`` takes one stage per process where a row would refuse replicas:
-        :func:`pipeline.layout.one_stage_each`)."""
-        stages = self.pipeline.stages
-        return isinstance(stages, int) and stages < self.world_size
-
 
 @dataclass(frozen=True)
 class Limit:
@@ -53,14 +45,6 @@ class Limit:
 
 
 LIMITS: tuple[Limit, ...] = (
-    Limit("train.clip_grad_norm / pipeline.window, pipeline.shared_ops, pipeline.stages",
-          lambda r: r.clip_grad_norm is not None and r.pipeline.cross and r.replicated,
-          lambda r: f"window {r.pipeline.window} and shared_ops {r.pipeline.shared_ops!r} with clipping, "
-                    f"pipeline.stages {r.pipeline.stages!r} of {r.world_size} processes",
-          "with replicated stages the norm is taken after the replicas' gradients are summed at each update, and "
-          "inside a cross-subnet schedule a stage's update may come after a forward of the next subnet that waits "
-          "for another stage's update",
-          "set pipeline.stages=null (one stage per process), or window=1 and shared_ops=exact"),
     Limit("train.clip_grad_norm / pipeline.delay_compensation",
           lambda r: (r.clip_grad_norm is not None and r.pipeline.shared_ops == "delayed" and r.world_size > 1
                      and r.pipeline.delay_compensation == "dc"),

@@ -166,8 +166,8 @@ class GradClip:
     order (``graph.active_ops(arch)``), of each op's sum of squares (:func:`grad_sq_sums`),
     added one by one on the host. A process holding only some ops (a pipeline stage) passes
     ``exchange``: it takes this process's per-op sums and returns the whole subnet's vector in
-    op order, the same bits on every rank (the pipeline: an all-reduce over the stage group
-    where every other stage contributes exact zeros). One process: no exchange."""
+    op order, the same bits on every rank (the pipeline: the other stages' sums, which the
+    schedule's ``norm`` messages brought). One process: no exchange."""
 
     max_norm: float
 
@@ -181,7 +181,7 @@ class GradClip:
         """Clip the gradients of ``modules`` (this process's ops of the subnet, in op order): each
         is replaced by its scaled copy, never scaled in place (with replicas on one host it may be
         a view of the shared sum every replica reads; the same bits as ``mul_``); returns the
-        global norm before clipping (a collective when ``exchange`` is given). ``sums``: their
+        global norm before clipping. ``sums``: their
         :func:`grad_sq_sums`, when already taken (the gradients unchanged since)."""
         sums = grad_sq_sums(modules, device) if sums is None else sums
         total = 0.0

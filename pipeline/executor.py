@@ -108,9 +108,9 @@ class SegmentRun:
         return sum(a["recomputed_ops"] for a in self.activations)
 
 
-# A stage's clipping for one subnet's update: (step, plan, the stages' sums of squares by stage, or
-# None where the stages reduce them at the update) -> the clip callable, or None
-Clipper = Callable[[int, Plan, "dict[int, torch.Tensor] | None"], Callable | None]
+# A stage's clipping for one subnet's update: (the other stages' sums of squares by stage, and this
+# one's if it sent them; None: one stage) -> the clip callable, or None
+Clipper = Callable[["dict[int, torch.Tensor] | None"], Callable | None]
 
 
 class StageExecutor:
@@ -120,7 +120,8 @@ class StageExecutor:
         self.rank, self.graph, self.tensors, self.shared = rank, graph, tensors, shared
         self.peer = peer  # this stage's side of the peer tier (a giver's PeerClient; None: ``peer`` keeps)
         # replicated stages (pipeline/replicas.py): ``reducer`` folds the replicas' gradients at
-        # each U action; ``offset`` is the global index of this replica's first micro-batch
+        # each U action (clipping by messages: at the subnet's last backward here, before the sums
+        # leave); ``offset`` is the global index of this replica's first micro-batch
         self.reducer, self.offset, self.clipper = reducer, offset, clipper
         self.transport, self.state_transport = transport, state_transport
         self.failures, self.tracer, self.device, self.seed = failures, tracer, device, seed
@@ -184,8 +185,11 @@ class StageExecutor:
             nxt = row[after] if 0 <= after < len(row) else None
             if norm_to:  # the gradient leaves first; then the subnet's sums of squares here (now final)
                 inbox.send(payload, None)
-                norm = norms[a.subnet][me] = grad_sq_sums(
-                    self._updated(rule.stepped(a.subnet, me), seg.steps[a.subnet]), self.device)
+                t, step = a.subnet, seg.steps[a.subnet]
+                if self.reducer is not None:  # the sums are of the replicas' sum: fold it now, not at U
+                    self._fold(uses[t][me], step)
+                    folded.add(t)
+                norm = norms[t][me] = grad_sq_sums(self._updated(rule.stepped(t, me), step), self.device)
                 payload = [([norm], dst) for dst in norm_to]
             inbox.send(payload, nxt)
 
@@ -203,6 +207,7 @@ class StageExecutor:
                   for _ in seg.steps]
         values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
         norms: list[dict[int, torch.Tensor]] = [{} for _ in seg.steps]  # per subnet and stage: clipping's sums
+        folded: set[int] = set()  # subnets whose replicas' gradients are folded already (clipping's sums)
         policies = [activation_policy(p.stage_activations(me), self.peer) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
@@ -271,8 +276,8 @@ class StageExecutor:
                 else:
                     emit(a, None, losses[t], kinds=("losses",), after=i + 1)  # (last stage) every update needs them
                     # every replica's losses (with replicas), in micro-batch order
-                    values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, plan, seg.lrs[t],
-                                             losses[t], norms[t] if sch.norms else None)
+                    values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, seg.lrs[t],
+                                             losses[t], norms[t] if sch.norms else None, t in folded)
                     ops = pinned.pop(t, frozenset())
                     still = frozenset().union(*pinned.values())  # ops another subnet in flight here runs
                     stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t),
@@ -332,21 +337,31 @@ class StageExecutor:
         loss_sum, correct, total = totals.cpu().tolist()
         return EvalResult(loss_sum / max(total, 1), int(correct), int(total))
 
-    def _update(self, ops: frozenset[str], step: int, plan: Plan, lr: float,
-                losses: torch.Tensor, norms: dict[int, torch.Tensor] | None = None) -> tuple[float, ...]:
+    def _fold(self, ops: frozenset[str], step: int) -> None:
+        """Ahead of the update (clipping by messages, with replicas): the replicas' gradients of
+        the subnet's ops here, folded now and copied out of the reduction's shared memory (another
+        subnet's fold may come before this one's update); the losses are gathered at the update."""
+        with self.tracer.span(step, "reduce", "reduce"):
+            self.reducer.reduce(self._updated(ops, step))
+            self.reducer.own()
+
+    def _update(self, ops: frozenset[str], step: int, lr: float, losses: torch.Tensor,
+                norms: dict[int, torch.Tensor] | None = None, folded: bool = False) -> tuple[float, ...]:
         """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
         (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
         flight keep theirs); returns the micro-batch losses it decided on. The subnet's one host
         read: its losses (on the device until here). With replicas the gradients are folded on
         the modules the subnet ran (a delayed op's private version) before they go to the live op.
         ``norms``: with clipping by messages (``Schedule.norms``), the stages' sums of squares by stage
-        (this one's when it sent them)."""
+        (this one's when it sent them). ``folded``: the gradients were folded at the last backward
+        (:meth:`_fold`): only the losses are gathered here."""
         mb_losses = tuple(losses.tolist())
         ordered = sorted(ops)
         if self.reducer is not None:
             with self.tracer.span(step, "reduce", "reduce"):
-                mb_losses = self.reducer.fold(mb_losses, self._updated(ops, step))
-        clip = self.clipper(step, plan, norms) if self.clipper is not None else None
+                mb_losses = (self.reducer.gather_losses(mb_losses) if folded
+                             else self.reducer.fold(mb_losses, self._updated(ops, step)))
+        clip = self.clipper(norms) if self.clipper is not None else None
         with self.shared.updating(ordered, step) as stepped:
             update(self.tensors, stepped, lr, mb_losses, clip)
         if self.reducer is not None:

@@ -7,8 +7,7 @@ line accepts is the one the engine runs.
   replicas of an S-stage pipeline (:mod:`pipeline.replicas`), which needs ``train.microbatches``
   to be a multiple of R; ``auto`` is the mesh planner's pick (:mod:`pipeline.plan.mesh`) among
   the layouts this run's settings allow, and one stage per process when the run bounds memory
-  (:func:`memory_bound`: stages split a subnet's memory, replicas copy it) or clips gradients in
-  a cross-subnet schedule (with replicas, flushed steps only: :mod:`pipeline.combinations`).
+  (:func:`memory_bound`: stages split a subnet's memory, replicas copy it).
 * Replicated stages combine with every other setting (what does not combine is the one table
   of :mod:`pipeline.combinations`).
 
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
     from .plan.mesh import LayoutOption
     from .plan.overhead import RuntimeCosts
 
-__all__ = ["Layout", "LayoutError", "choose_layout", "memory_bound", "one_stage_each", "price_layouts",
+__all__ = ["Layout", "LayoutError", "choose_layout", "memory_bound", "price_layouts",
            "resolve_layout", "replicas_of"]
 
 log = logging.getLogger(__name__)
@@ -71,11 +70,9 @@ class Layout:
 
 def resolve_layout(settings: PipelineSettings, memory: MemorySettings | None, world_size: int, microbatches: int,
                    graph: SupernetGraph | None = None, optimizer: str = "sgd",
-                   sample_shape: Sequence[int] | None = None, batch_size: int | None = None,
-                   clip: bool = False) -> Layout:
+                   sample_shape: Sequence[int] | None = None, batch_size: int | None = None) -> Layout:
     """The (S, R) this run takes, or :class:`LayoutError` naming the field. ``graph``,
-    ``optimizer``, ``sample_shape`` and ``batch_size``: what ``stages: auto`` plans with;
-    ``clip``: whether the run clips gradients (``train.clip_grad_norm``)."""
+    ``optimizer``, ``sample_shape`` and ``batch_size``: what ``stages: auto`` plans with."""
     stages = settings.stages
     if world_size == 1:
         if stages not in (None, 1, "auto"):
@@ -84,7 +81,7 @@ def resolve_layout(settings: PipelineSettings, memory: MemorySettings | None, wo
                               "-m search")
         return Layout(1, 1)
     if stages == "auto":
-        if one_stage_each(settings, memory, clip):  # e.g. pipelining is what splits a subnet's memory
+        if memory_bound(settings, memory):  # pipelining is what splits a subnet's memory
             return Layout(world_size, replicas_of(world_size, world_size, microbatches))
         return _auto(graph, world_size, microbatches, settings, optimizer, sample_shape, batch_size)
     stages = world_size if stages is None else stages
@@ -98,13 +95,6 @@ def memory_bound(settings: PipelineSettings, memory: MemorySettings | None) -> b
     process, as the budgets were meant for (stages split a subnet's memory; replicas copy it)."""
     return settings.memory_budget_bytes is not None or (memory is not None and (
         memory.virtual or memory.activations != "keep" or memory.activation_budget_bytes is not None))
-
-
-def one_stage_each(settings: PipelineSettings, memory: MemorySettings | None, clip: bool) -> bool:
-    """Whether ``stages: auto`` takes one stage per process: the run bounds memory
-    (:func:`memory_bound`), or clips gradients in a cross-subnet schedule (replicated stages
-    clip flushed steps only)."""
-    return memory_bound(settings, memory) or (clip and settings.cross)
 
 
 def replicas_of(world_size: int, stages: int, microbatches: int) -> int:
@@ -274,17 +264,14 @@ def _unit(op_id: str):
 def choose_layout(settings: PipelineSettings, memory: MemorySettings | None, rank: int, world_size: int,
                   microbatches: int, graph: SupernetGraph, optim: OptimConfig, sample_shape: Sequence[int] | None,
                   batch_size: int | None, device: torch.device | str, seed: int = 0,
-                  costs: CostTable | None = None,
-                  clip: bool = False) -> tuple[Layout, CostTable | None, RuntimeCosts | None]:
+                  costs: CostTable | None = None) -> tuple[Layout, CostTable | None, RuntimeCosts | None]:
     """The layout this run takes, and the cost table and runtime costs it was chosen with (None,
     None when nothing was measured). Collective under ``auto`` (every rank of the default group
     calls it alike, after ``init_process_group``); otherwise :func:`resolve_layout`.
-    ``costs``: a cost table to price ops with (None: the measured profile); ``clip``: whether the
-    run clips gradients."""
+    ``costs``: a cost table to price ops with (None: the measured profile)."""
     auto = settings.stages == "auto" or settings.window == "auto"
     if world_size == 1 or not auto:
-        layout = resolve_layout(settings, memory, world_size, microbatches, graph, optim.name, sample_shape, batch_size,
-                                clip)
+        layout = resolve_layout(settings, memory, world_size, microbatches, graph, optim.name, sample_shape, batch_size)
         return (layout if settings.window != "auto" else Layout(layout.stages, layout.replicas,
                                                                 layout.predicted_samples_per_s, 1)), None, None
     if sample_shape is None or batch_size is None:
@@ -299,7 +286,7 @@ def choose_layout(settings: PipelineSettings, memory: MemorySettings | None, ran
     from .plan.mesh import meshes, pick
     from .profile import shared_profile
 
-    if settings.stages == "auto" and one_stage_each(settings, memory, clip):  # (resolve_layout)
+    if settings.stages == "auto" and memory_bound(settings, memory):  # (resolve_layout)
         settings = dataclasses.replace(settings, stages=world_size)
     mb = batch_size // microbatches
     table = costs if costs is not None else shared_profile(graph, sample_shape, mb, optim.name, rank, world_size,

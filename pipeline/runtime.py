@@ -163,7 +163,7 @@ class PipelineEngine:
         # this machine's measured costs, every rank alike (pipeline/layout.py: choose_layout)
         self.layout, measured, self.runtime_costs = choose_layout(
             settings, memory, env.rank, env.world_size, microbatches, graph, optim, sample_shape, batch_size, device,
-            seed, costs, clip_grad_norm is not None)
+            seed, costs)
         if self.layout.window is not None:
             self.settings = settings = dataclasses.replace(settings, window=self.layout.window)
         costs = costs if costs is not None else measured  # the planner prices with what chose the layout
@@ -227,7 +227,7 @@ class PipelineEngine:
                                 delays=settings.shared_delays)
         self.migrator = Migrator(me, self.owners, self.tensors, self.transport, self.shared)
         # clipping: every update waits for the subnet's gradient norm (by the schedule's messages;
-        # with replicas an all-reduce after the fold: flushed steps only, pipeline/combinations.py)
+        # with replicas each stage folds a subnet's gradients at its last backward, before its sums leave)
         self.executor = StageExecutor(me, graph, self.tensors, self.shared, self._schedule_transport, state,
                                       self.failures, self.tracer, self.device, seed, reducer=self.reducer,
                                       offset=offset, clipper=self._clipper if self.clip is not None else None,
@@ -318,9 +318,8 @@ class PipelineEngine:
 
     @property
     def _norms(self) -> bool:
-        """Whether the schedule carries clipping's gradient norms from stage to stage (with
-        replicas the norm follows the fold at the update: an all-reduce, flushed steps only)."""
-        return self.clip is not None and self.replicas == 1 and self.num_stages > 1
+        """Whether the schedule carries clipping's gradient norms from stage to stage."""
+        return self.clip is not None and self.num_stages > 1
 
     def _activation_cap(self, plans: Sequence[Plan]) -> ActivationCap | None:
         """With ``pipeline.inflight=bytes``: each stage's in-flight cap in the activation bytes the
@@ -398,37 +397,22 @@ class PipelineEngine:
         hint, self._hint = self._hint, []
         return self._train_segment([(step, arch, x, y)], hint, 1)[0]
 
-    def _clipper(self, step: int, plan: Plan, norms: dict[int, torch.Tensor] | None):
-        """``train.clip_grad_norm`` for an update of ``plan``: the whole subnet's per-op sums of
+    def _clipper(self, norms: dict[int, torch.Tensor] | None):
+        """``train.clip_grad_norm`` for one subnet's update: the whole subnet's per-op sums of
         squares, in op order (stage by stage), added on every rank alike: the norm one process
         computes. ``norms``: the other stages' sums, sent to this one after their last backward
-        of the subnet (the schedule's ``norm`` messages; one stage: none), and this stage's own
-        under its index when it sent them (not taken twice); None with replicas,
-        where the norm is taken after the fold, on gradients every replica holds alike: this
-        stage's sums go into a zero vector of the subnet's ops at its offset and one all-reduce
-        over this replica's stages adds them exactly (x + 0 = x). None: no clipping."""
+        of the subnet (the schedule's ``norm`` messages; with replicas, of the gradients folded
+        there), and this stage's own under its index when it sent them (not taken twice); one
+        stage: none. None: no clipping."""
         if self.clip is None:
             return None
-        if norms is not None or self.num_stages == 1:
-            me, got = self.stage_index, dict(norms or {})
-            own = got.pop(me, None)  # this stage's sums, taken when it sent them
+        me, got = self.stage_index, dict(norms or {})
+        own = got.pop(me, None)  # this stage's sums, taken when it sent them
 
-            def gather(mine: torch.Tensor) -> torch.Tensor:
-                return torch.cat([mine if s == me else got[s] for s in range(self.num_stages) if s == me or s in got])
+        def gather(mine: torch.Tensor) -> torch.Tensor:
+            return torch.cat([mine if s == me else got[s] for s in range(self.num_stages) if s == me or s in got])
 
-            return lambda mods: self.clip(mods, self.device, gather if got else None, own) if mods else None
-        sizes = [len(sl.ops) for sl in plan.slices]
-        lo, n = sum(sizes[:self.stage_index]), sum(sizes)
-
-        def exchange(mine: torch.Tensor) -> torch.Tensor:
-            full = torch.zeros(n, dtype=torch.float64, device=self.device)
-            full[lo:lo + mine.numel()] = mine
-            with (self.tracer.span(step, "clip norm", "reduce"),
-                  peer_errors("summing the gradient norm over the stages")):
-                dist.all_reduce(full, group=self.transport.group)
-            return full
-
-        return lambda mods: self.clip(mods, self.device, exchange)
+        return lambda mods: self.clip(mods, self.device, gather if got else None, own) if mods else None
 
     def train_steps(self, items: Sequence[StepInput], upcoming: Sequence[Arch] = ()) -> list[StepResult]:
         """Train ``items`` in order as segments (subnets back to back: flushed steps, or several

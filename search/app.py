@@ -122,7 +122,7 @@ def prepare(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None =
     try:  # the (stages, replicas) layout the engine will take, and what combines with replicas
         layout = resolve_layout(rc.pipeline, rc.memory, env.world_size if env is not None else 1,
                                 rc.train.microbatches, graph, rc.train.optimizer.name, data.input_shape,
-                                rc.train.batch_size, rc.train.clip_grad_norm is not None)
+                                rc.train.batch_size)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     cost = SubnetCost(graph, data.input_shape, rc.seed)

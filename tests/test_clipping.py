@@ -8,11 +8,11 @@ every layout.
   torch's own ``get_total_norm``, and clipping must trigger.
 * The reference's delayed shared ops with clipping against the delayed oracle with the rule.
 * One process against P = 2 flushed stages (ops migrating; a tensor-manager budget with host
-  updates too), the (1, 2) and the (2, 2) mesh, and cross-subnet schedules at P = 2 and 3
-  (windows, delayed / frozen shared ops, the B/W split, a budget; each stage's sums travel as the
-  schedule's ``norm`` messages): the same losses and ``params_digest``.
-* The config: a bad value and the combinations refused (a cross-subnet schedule with replicas,
-  ``dc`` compensation in a pipeline).
+  updates too), the (1, 2) and the (2, 2) mesh, and cross-subnet schedules at P = 2 and 3 and on
+  both meshes (windows, delayed / frozen shared ops, the B/W split, a budget; each stage's sums
+  travel as the schedule's ``norm`` messages, with replicas after the fold at the subnet's last
+  backward): the same losses and ``params_digest``.
+* The config: a bad value and the combination refused (``dc`` compensation in a pipeline).
 """
 from __future__ import annotations
 
@@ -105,9 +105,17 @@ P2 = [
     dataclasses.replace(budgeted(Scenario("conv", "gpipe", steps=4, extra=MIGRATING, clip=CLIP), 2),
                         memory={**budgeted(Scenario("conv", "gpipe", steps=4), 2).memory, "optimizer": "host"}),
     Scenario("conv", "1f1b", steps=4, extra={**MIGRATING, "stages": 1}, clip=CLIP),  # (1, 2): data parallel
+    # (1, 2) across subnets: the fold at the update, the norm on the replicas' sum
+    Scenario("conv", "1f1b", steps=6, segment=6, sampler="fair", clip=CLIP,
+             extra={**MIGRATING, "stages": 1, "window": 4, "shared_ops": "delayed", "shared_delay": 2}),
 ]
 MESH = [Scenario("conv", "1f1b", steps=4, extra={**MIGRATING, "stages": 2}, clip=CLIP),
-        Scenario("transformer", "1f1b", steps=4, optimizer="adamw", extra={**MIGRATING, "stages": 2}, clip=CLIP)]
+        Scenario("transformer", "1f1b", steps=4, optimizer="adamw", extra={**MIGRATING, "stages": 2}, clip=CLIP),
+        # (2, 2) across subnets: each stage folds a subnet at its last backward, then its sums leave
+        Scenario("conv", "1f1b", steps=8, segment=8, sampler="fair", clip=CLIP,
+                 extra={**MIGRATING, "stages": 2, "window": 4, "shared_ops": "delayed", "shared_delay": 2}),
+        Scenario("transformer", "zbh1", steps=6, segment=6, optimizer="adamw", clip=CLIP,
+                 extra={**MIGRATING, "stages": 2, "window": 3})]
 
 
 def reference(sc: Scenario) -> dict:
@@ -174,10 +182,7 @@ def test_config_reads_checks_and_digests_clip_grad_norm(monkeypatch: pytest.Monk
         load_config(make_cfg("train.clip_grad_norm=1.0", cross))  # one process, or one stage per process
         monkeypatch.setenv("WORLD_SIZE", "4")
         load_config(make_cfg("train.clip_grad_norm=1.0", cross))
-        with pytest.raises(ConfigError, match=r"^train.clip_grad_norm / pipeline.window, pipeline.shared_ops, "
-                                              r"pipeline.stages: found .* pipeline.stages 2 of 4 processes"):
-            load_config(make_cfg("train.clip_grad_norm=1.0", cross, "pipeline.stages=2"))  # replicated stages
-        load_config(make_cfg("train.clip_grad_norm=1.0", "pipeline.stages=2"))  # flushed steps: the fold, then the norm
+        load_config(make_cfg("train.clip_grad_norm=1.0", cross, "pipeline.stages=2"))  # replicated stages
         with pytest.raises(ConfigError, match=r"^train.clip_grad_norm / pipeline.delay_compensation: found"):
             load_config(make_cfg("train.clip_grad_norm=1.0", "pipeline.shared_ops=delayed",
                                  "pipeline.delay_compensation=dc"))
@@ -186,28 +191,3 @@ def test_config_reads_checks_and_digests_clip_grad_norm(monkeypatch: pytest.Monk
     # null is left out of the train digest (older checkpoints keep resuming); a value is in it
     assert "clip_grad_norm" not in train_fields(make_cfg())["train"]
     assert train_fields(make_cfg("train.clip_grad_norm=1.0"))["train"]["clip_grad_norm"] == 1.0
-
-
-def test_auto_stages_take_one_stage_per_process_when_a_cross_subnet_schedule_clips() -> None:
-    from pipeline import PipelineSettings
-    from pipeline.layout import resolve_layout
-
-    graph = build_graph("conv")
-    for settings in (PipelineSettings(stages="auto", window=4), PipelineSettings(stages="auto", shared_ops="delayed")):
-        got = resolve_layout(settings, None, 4, 4, graph, "sgd", (1, 8, 8), 16, clip=True)
-        assert (got.stages, got.replicas) == (4, 1)
-    flushed = resolve_layout(PipelineSettings(stages="auto"), None, 4, 4, graph, "sgd", (1, 8, 8), 16, clip=True)
-    unclipped = resolve_layout(PipelineSettings(stages="auto", window=4), None, 4, 4, graph, "sgd", (1, 8, 8), 16)
-    assert unclipped.replicas > 1, "premise: the planner replicates this space's stages"
-    assert (flushed.stages, flushed.replicas) == (unclipped.stages, unclipped.replicas)  # the planner's pick
-
-
-def test_engines_refuse_clipping_with_replicated_cross_subnet_schedules() -> None:
-    from distributed import make_engine
-
-    from pipeline import DistEnv
-
-    env = DistEnv(rank=0, world_size=4, local_rank=0)
-    with pytest.raises(ValueError, match="clip_grad_norm"):
-        make_engine(Scenario("conv", "1f1b", extra={"shared_ops": "delayed", "stages": 2}, clip=1.0),
-                    build_graph("conv"), env=env)

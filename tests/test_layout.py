@@ -68,10 +68,10 @@ def test_layout_errors_from_the_command_line_write_nothing(tmp_path: Path) -> No
                                                               "[1, 3]), 'auto' or null, found 2"),
         "4 processes, 1 stage, 2 micro-batches": (["pipeline.stages=1", "train.microbatches=2"], "4",
                                                   "train.microbatches: expected a multiple of the replica count 4"),
-        "clipping in a replicated cross-subnet schedule": (
-            ["pipeline.stages=1", "pipeline.window=4", "train.clip_grad_norm=1"], "2",
-            "train.clip_grad_norm / pipeline.window, pipeline.shared_ops, pipeline.stages: found window 4 and "
-            "shared_ops 'exact' with clipping, pipeline.stages 1 of 2 processes"),
+        "clipping with dc compensation in a pipeline": (
+            ["pipeline.shared_ops=delayed", "pipeline.delay_compensation=dc", "train.clip_grad_norm=1"], "2",
+            "train.clip_grad_norm / pipeline.delay_compensation: found delay_compensation 'dc' with clipping in a "
+            "pipeline"),
     }
     run = [Case([*TINY_CONV, *TINY, *args, f"hydra.run.dir={tmp_path}/rejected"], str(tmp_path),
                  {"RANK": "0", "WORLD_SIZE": world} if world else {}) for args, world, _ in cases.values()]
