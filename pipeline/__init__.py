@@ -36,7 +36,7 @@ def create_engine(graph: SupernetGraph, seed: int, optim: OptimConfig, microbatc
     ``trace_steps``: the steps whose spans are recorded (``engine.trace_spans()`` gathers them).
     ``sample_shape`` and ``batch_size``: what ``pipeline.stages: auto`` plans the mesh for.
     ``clip_grad_norm``: clip each subnet's gradients to this global L2 norm (None: off;
-    :class:`pipeline.engine.GradClip`; with replicated stages flushed steps only).
+    :class:`pipeline.engine.GradClip`; every layout and schedule).
     ``checkpoint_every``: where the run's checkpoint boundaries fall (delayed shared ops read no
     version from before the last one, so a resumed run computes what an uninterrupted one does)."""
     env = env if env is not None else dist_env()
