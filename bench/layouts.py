@@ -19,7 +19,9 @@ default before issue 23), ``flushed_zbh1`` (the same with the backward split, ZB
 with the split), ``window4_d3`` and ``window4_d3_head1`` (``window4`` with D = 3, and with the
 head read one update late: ``pipeline.shared_delays={head:1}``), ``window4_d3_bytes`` and
 ``window4_zbh1_bytes`` (``window4_d3`` and ``window4_zbh1`` with ``pipeline.inflight=bytes``: each
-stage's in-flight cap in activation bytes), ``flushed_clip`` and ``window4_clip`` (``flushed`` and
+stage's in-flight cap in activation bytes), ``window4_zbh1_bytes_minmax`` (with the planner's
+``pipeline.objective=minmax``), ``stages1_window4`` and ``stages1_window4_clip`` (data parallel
+across subnets, window 4 delayed, unclipped and clipped), ``flushed_clip`` and ``window4_clip`` (``flushed`` and
 ``window4`` with ``train.clip_grad_norm=1.0``: what waiting for the global norm before each update
 costs), ``stages1``
 (``pipeline.stages=1``: data parallel) and ``auto`` (``pipeline.stages=auto
@@ -81,11 +83,19 @@ LAYOUTS = {  # name: (processes, overrides)
                              "pipeline.shared_delay=3", "pipeline.inflight=bytes"]),
     "window4_zbh1_bytes": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
                                "pipeline.schedule=zbh1", "pipeline.inflight=bytes"]),
+    # the same with the planner's minmax objective (the simulated P = 8, M = 4 stream's best settings)
+    "window4_zbh1_bytes_minmax": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                                      "pipeline.schedule=zbh1", "pipeline.inflight=bytes",
+                                      "pipeline.objective=minmax"]),
     # clipping (train.clip_grad_norm): the norm's wait before each update, flushed and across subnets
     "flushed_clip": (2, ["pipeline.stages=2", "pipeline.window=1", "train.clip_grad_norm=1.0"]),
     "window4_clip": (2, ["pipeline.stages=2", "pipeline.window=4", "pipeline.shared_ops=delayed",
                          "train.clip_grad_norm=1.0"]),
     "stages1": (2, ["pipeline.stages=1", "pipeline.window=1"]),
+    # data parallel across subnets, unclipped and clipped (each replica folds at the update, then clips)
+    "stages1_window4": (2, ["pipeline.stages=1", "pipeline.window=4", "pipeline.shared_ops=delayed"]),
+    "stages1_window4_clip": (2, ["pipeline.stages=1", "pipeline.window=4", "pipeline.shared_ops=delayed",
+                                 "train.clip_grad_norm=1.0"]),
     "auto": (2, ["pipeline.stages=auto", "pipeline.window=auto"]),
     # the ceiling of two processes here, not a layout: two one-process runs at once, each on half the
     # batch in half the micro-batches (a data-parallel replica's work, with no messages, reduction or
