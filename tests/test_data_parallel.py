@@ -139,6 +139,34 @@ def test_the_shared_buffers_grow_alternate_and_leave_no_name_behind() -> None:
     shm.end()
 
 
+def test_gradients_owned_after_a_fold_outlive_the_shared_buffers_next_use() -> None:
+    """``ReplicaReducer.own`` (clipping folds a subnet at its last backward, ahead of its update):
+    the sums leave the shared buffers, which a later reduction rewrites, and ``released`` after the
+    update no longer drops them."""
+    import os
+
+    import torch
+    from torch import nn
+
+    from pipeline.replicas import ReplicaReducer, _split_views
+    from pipeline.shm import SharedReduction
+
+    shm = SharedReduction(os.urandom(8).hex(), 0, replica=0, replicas=1)
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))]
+    flats, _ = shm.begin(params, 16)
+    for p, v in zip(params, _split_views(flats, params)):
+        v.fill_(2.0)
+        p.grad = v  # as the shared reduction leaves them: views of its buffers
+    reducer = ReplicaReducer.__new__(ReplicaReducer)  # (own and released touch only the lent list)
+    reducer._lent = list(params)
+    reducer.own()
+    flats[torch.float32].fill_(-1.0)  # the buffer's next use
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in params)
+    reducer.released()
+    assert all(p.grad is not None for p in params)
+    shm.end()
+
+
 @pytest.mark.parametrize("sizes", [[], [1], [5, 3], [1 << 18], [1 << 17, 1 << 17, 1, 1 << 20, 7], [3] * 100])
 def test_the_shared_chains_chunks_cover_the_parameters_in_order(sizes: list[int]) -> None:
     """The units of the shared chain's progress: consecutive, covering every parameter once,
