@@ -402,6 +402,8 @@ def simulated_rows(space: Space, P: int, M: int, sampler: str, subnets: int, see
                      unclipped_delay=base["delay"],
                      over_unclipped=base["makespan_s"] / picked["makespan_s"])  # throughput, the same subnets
             out.append(r)
+    for r in out:
+        r["objective"] = objective
     return out
 
 
@@ -475,7 +477,6 @@ def main() -> None:
                                      args.objective)
                 for r in got:
                     r["loadavg"] = os.getloadavg()[0]
-                    r["objective"] = args.objective
                 rows += got
                 progress(f"P={P} M={M} {sampler}: {time.perf_counter() - t0:.1f} s; " + ", ".join(
                     f"{r['bench']}/{r['shared_ops']} w={r['window']} d={r['delay']} util {r['utilisation']:.3f} "

@@ -67,18 +67,18 @@ def main() -> None:
                                     f"pipeline.shared_ops={m}", *extra], tmp / name)
             return (digest_of(tmp / name) if code == 0 else None), secs, tail, code
 
-        def math(cell: tuple) -> tuple:
+        def twin(cell: tuple) -> tuple:
             """The cell less its memory settings: what its all-resident twin runs (a clipped row's twin clips)."""
             sp, w, m, variant = cell
             return sp, w, m, tuple(o for o in variant if not o.startswith("memory."))
 
-        refs = {key: pool.submit(one, key, False) for key in {math(c) for c in cells}}
+        refs = {key: pool.submit(one, key, False) for key in {twin(c) for c in cells}}
         runs = [(c, pool.submit(one, c, True)) for c in cells]
         counts = {"runs": 0, "equal": 0, "failed": 0}
         for cell, fut in runs:
             sp, w, m, variant = cell
             got, secs, tail, code = fut.result()
-            ref, _, ref_tail, ref_code = refs[math(cell)].result()
+            ref, _, ref_tail, ref_code = refs[twin(cell)].result()
             row = {"kind": "run", "device": args.device, "space": sp, "window": w, "shared_ops": m,
                    "variant": " ".join(variant), "budget": budget[sp, variant], "op_state": whole[sp],
                    "below_half": budget[sp, variant] < whole[sp] / 2, "digest": got, "all_resident": ref,

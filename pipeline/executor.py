@@ -188,7 +188,6 @@ class StageExecutor:
                 t, step = a.subnet, seg.steps[a.subnet]
                 if self.reducer is not None:  # the sums are of the replicas' sum: fold it now, not at U
                     self._fold(uses[t][me], step)
-                    folded.add(t)
                 norm = norms[t][me] = grad_sq_sums(self._updated(rule.stepped(t, me), step), self.device)
                 payload = [([norm], dst) for dst in norm_to]
             inbox.send(payload, nxt)
@@ -207,7 +206,6 @@ class StageExecutor:
                   for _ in seg.steps]
         values: list[tuple[float, ...] | None] = [None] * len(seg.steps)
         norms: list[dict[int, torch.Tensor]] = [{} for _ in seg.steps]  # per subnet and stage: clipping's sums
-        folded: set[int] = set()  # subnets whose replicas' gradients are folded already (clipping's sums)
         policies = [activation_policy(p.stage_activations(me), self.peer) for p in seg.plans]
         with self.failures.failing(seg.steps[0], "migrate"):
             emit(None, None, None)  # ops whose first use here is on another stage than their owner
@@ -277,7 +275,7 @@ class StageExecutor:
                     emit(a, None, losses[t], kinds=("losses",), after=i + 1)  # (last stage) every update needs them
                     # every replica's losses (with replicas), in micro-batch order
                     values[t] = self._update(sch.uses[t][me] if sch.uses else frozenset(), step, seg.lrs[t],
-                                             losses[t], norms[t] if sch.norms else None, t in folded)
+                                             losses[t], norms[t] if sch.norms else None)
                     ops = pinned.pop(t, frozenset())
                     still = frozenset().union(*pinned.values())  # ops another subnet in flight here runs
                     stats.memory[t] = self.tensors.release_step(ops=ops - still, done=pending.index(t),
@@ -346,18 +344,19 @@ class StageExecutor:
             self.reducer.own()
 
     def _update(self, ops: frozenset[str], step: int, lr: float, losses: torch.Tensor,
-                norms: dict[int, torch.Tensor] | None = None, folded: bool = False) -> tuple[float, ...]:
+                norms: dict[int, torch.Tensor] | None = None) -> tuple[float, ...]:
         """The optimizer step of one subnet's ops on this stage, unless a loss is not finite
         (:func:`pipeline.engine.update`: then only their gradients are dropped, other subnets in
         flight keep theirs); returns the micro-batch losses it decided on. The subnet's one host
         read: its losses (on the device until here). With replicas the gradients are folded on
         the modules the subnet ran (a delayed op's private version) before they go to the live op.
         ``norms``: with clipping by messages (``Schedule.norms``), the stages' sums of squares by stage
-        (this one's when it sent them). ``folded``: the gradients were folded at the last backward
-        (:meth:`_fold`): only the losses are gathered here."""
+        (this one's when it sent them: then its gradients were folded at that last backward,
+        :meth:`_fold`, and only the losses are gathered here)."""
         mb_losses = tuple(losses.tolist())
         ordered = sorted(ops)
         if self.reducer is not None:
+            folded = norms is not None and self.rank in norms  # (emit folds where it takes the sums)
             with self.tracer.span(step, "reduce", "reduce"):
                 mb_losses = (self.reducer.gather_losses(mb_losses) if folded
                              else self.reducer.fold(mb_losses, self._updated(ops, step)))
