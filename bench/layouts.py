@@ -29,7 +29,10 @@ pipeline.window=auto``: the layout chooser's pick, the default under torchrun), 
 ceiling of two processes on this machine rather than a layout, ``two_halves``: two one-process
 runs started together, each on half the batch in half the micro-batches (a data-parallel
 replica's work with no messages, no reduction and no second update; the slower one's time; other
-weights). ``window4``
+weights), and from the same two runs ``two_halves_synced``: their time had they waited for each
+other after every step, as data-parallel replicas do before each update (the slower run's time
+outside its steps plus, per step, the slower of the two runs' step times: both run the same arch
+at each step), the ceiling of a layout that synchronises once a step. ``window4``
 reads shared ops one update late (other weights than the rest: the issue's table has it); the
 others compute the same weights.
 
@@ -102,6 +105,7 @@ LAYOUTS = {  # name: (processes, overrides)
     # second update); their slower train time
     "two_halves": (2, ["train.batch_size=32", "train.microbatches=2"]),
 }
+SYNCED = "two_halves_synced"  # two_halves's runs, each step ending with the slower one's (see run_halves)
 HAND_PICKED = ("one_process", "flushed", "flushed_zbh1", "window4", "window4_zbh1", "stages1")
 
 
@@ -141,7 +145,25 @@ def run_halves(out: Path, overrides: list[str], tree: Path = ROOT) -> dict[str, 
     for code, log in zip(codes, logs):
         if code != 0:
             sys.exit(f"two_halves {' '.join(overrides)} exited {code}:\n{log.read_text()[-3000:]}")
-    return max((_result(Path(f"{out}-{k}"), wall) for k in range(2)), key=lambda r: r["train_time_s"])
+    results = [_result(Path(f"{out}-{k}"), wall) for k in range(2)]
+    slower = max(range(2), key=lambda k: results[k]["train_time_s"])
+    steps = [_step_seconds(Path(f"{out}-{k}")) for k in range(2)]
+    res = results[slower]
+    res["synced_train_time_s"] = round(synced_time(res["train_time_s"], steps, slower), 3)
+    return res
+
+
+def synced_time(train_time_s: float, steps: list[list[float]], slower: int) -> float:
+    """Runs that ran side by side, had they waited for each other after every step (as
+    data-parallel replicas do before their update): run ``slower``'s train time outside its steps,
+    plus per step the longest of the runs' step times (``steps[k][i]``: run k's step i)."""
+    if len({len(s) for s in steps}) != 1:
+        raise ValueError(f"synced_time: expected runs of as many steps, found {[len(s) for s in steps]}")
+    return train_time_s - sum(steps[slower]) + sum(map(max, zip(*steps)))
+
+
+def _step_seconds(out: Path) -> list[float]:
+    return [json.loads(line)["seconds"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _result(out: Path, wall: float) -> dict[str, Any]:
@@ -183,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
                         res = (run_halves(where, over, trees[tree]) if name == "two_halves" else
                                run_layout(where, nproc, over, trees[tree]))
                         times.setdefault((tree, space, name), []).append(res["train_time_s"])
+                        if name == "two_halves":
+                            times.setdefault((tree, space, SYNCED), []).append(res["synced_train_time_s"])
                         row = {"kind": "run", "tree": tree, "space": space, "layout": name, "round": r, **res}
                         rows.append(row)
                         progress(json.dumps({k: row[k] for k in ("tree", "space", "layout", "round", "train_time_s",
@@ -193,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             base = times.get((tree, space, "one_process"))
             summary: dict[str, Any] = {"kind": "space", "tree": tree, "space": space, "rounds": args.rounds,
                                        "steps": args.steps or SPACES[space][1], "overrides": SPACES[space][0]}
-            for name in args.layouts:
+            for name in [*args.layouts, *([SYNCED] if "two_halves" in args.layouts else [])]:
                 t = times[(tree, space, name)]
                 summary[name] = {"train_time_s": round(statistics.median(t), 2), "by_round": t,
                                  "speedup": (round(statistics.median(b / x for b, x in zip(base, t)), 3)
@@ -209,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
                 if best is not None and summary[best]["speedup"] and summary["two_halves"]["speedup"]:
                     summary["best_over_ceiling"] = {best: round(summary[best]["speedup"]
                                                                 / summary["two_halves"]["speedup"], 3)}
+                    summary["best_over_synced_ceiling"] = {best: round(summary[best]["speedup"]
+                                                                       / summary[SYNCED]["speedup"], 3)}
             mine = [row for row in rows if row["tree"] == tree and row["space"] == space and row["layout"] == "auto"]
             summary["auto_picked"] = [row["ran"] for row in mine]
             summary["auto_predicted"] = mine[-1]["predicted"] if mine else None
