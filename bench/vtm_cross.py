@@ -234,11 +234,20 @@ def depth_of(spec: str, window: int) -> int:
 
 
 def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: int, link_bw: float,
-                base_s: float) -> dict:
-    """One variant's residency plans over ``sched``, replayed with their copies."""
+                base_s: float, placement: str = "device", host_update: float = 1.5e9, host_limit: bool = False) -> dict:
+    """One variant's residency plans over ``sched``, replayed with their copies. ``placement``:
+    ``device`` (every op travels with its optimizer state) or ``hybrid`` (the runtime's default:
+    the state comes along only where the next subnet on the stage reuses the op, else the host
+    steps the op at ``host_update`` parameters/s per stage; :mod:`pipeline.plan.stage_residency`).
+    ``host_limit``: the host steps no more of a subnet's ops than it can while the stage computes
+    the subnet (M forwards and backwards); the rest keep their state (a what-if: the runtime's rule
+    has no such limit)."""
     P, T = stream.P, len(stream.work)
+    weights = ({op: c.param_bytes for op, c in stream.space.table.ops.items()} if placement == "hybrid" else None)
+    budgets = [{t: 4.0 * host_update * stream.M * (w.fwd[s] + w.bwd[s]) for t, w in enumerate(work)}
+               if weights is not None and host_limit else None for s in range(P)]
     plans = [plan_stage(sched, s, split["state"], split["capacity"][s], v.policy, depth_of(v.depth, window), v.adopt,
-                        v.horizon == "past") for s in range(P)]
+                        v.horizon == "past", weights, budgets[s]) for s in range(P)]
     # activations out in the forwards, back for the backwards: swaps on the host link, the peer
     # tier's on the peer link
     more = {Action(s, "F", 0, t): (("d2h", split["swap"][s][t]), ("h2d", split["swap"][s][t]),
@@ -246,7 +255,8 @@ def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: in
             for s in range(P) for t in range(T) if split["swap"][s][t] or split["peer"][s][t]}
     copies = residency_copies(sched, plans, more=more, duplex=v.streams == 2)
     peer = (split["peer_bw"],) * P if split["peer_bw"] else None
-    r = stream.replay(sched, work, copies, HostLinks((link_bw,) * P, (link_bw,) * P, (1.0,) * P, peer_out=peer,
+    host = (4.0 * host_update,) * P  # bytes of float32 parameters the host steps a second
+    r = stream.replay(sched, work, copies, HostLinks((link_bw,) * P, (link_bw,) * P, host, peer_out=peer,
                                                      peer_in=peer))
     on = {"h2d": 0.0, "d2h": 0.0}
     for c in copies:
@@ -262,21 +272,25 @@ def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: in
         "prefetched_share": sum(p.prefetched for p in plans) / uses,
         "miss_share": sum(p.misses for p in plans) / uses,
         "arrived_share": sum(p.arrived for p in plans) / uses,
+        "host_update_share": sum(p.host_updates for p in plans) / uses,
         "stalls": {"count": len(waits), "first_forwards": sum(a.kind == "F" for a in waits),
                    "after_export": sum(a.kind != "F" for a in waits), "of_first_forwards": P * T,
                    "seconds_all_stages": sum(r.stall), "ms_per_subnet_all_stages": 1e3 * sum(r.stall) / T,
                    "share_of_makespan_worst_stage": max(r.stall) / r.step_time},
         "GB_per_subnet": {"fetched": sum(p.fetched_bytes for p in plans) / T / 1e9,
                           "written_back": sum(p.written_bytes for p in plans) / T / 1e9,
+                          "grads_to_host": sum(p.host_bytes for p in plans) / T / 1e9,
                           "activation_swaps_each_way": sum(map(sum, split["swap"])) / T / 1e9},
         "copy_stream_busy_share": {ch: v / link_bw / P / r.step_time for ch, v in on.items() if v},
+        "host_busy_share": sum(p.host_bytes for p in plans) / host[0] / P / r.step_time,
         "peak_arena_over_capacity": max(p.peak_bytes / p.capacity for p in plans),
     }
 
 
 def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, arena_subnets: Sequence[float],
                 variants: Sequence[Variant] = RUNTIME_VARIANTS, base: dict | None = None,
-                peer_bw: float | None = None) -> dict:
+                peer_bw: float | None = None, placement: str = "device", host_update: float = 1.5e9,
+                host_limit: bool = False) -> dict:
     """Every variant at one (window, over-subscription), with the arena size that is fastest under
     the first variant; the figures of one JSON line per variant (``rows``)."""
     P = stream.P
@@ -291,7 +305,8 @@ def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, are
         work = managed_work(stream, split)
         sched = stream.schedule(work, window, ArenaBound(tuple(split["capacity"]), split["state"]))
         try:
-            b = run_variant(stream, sched, work, split, variants[0], window, link_bw, base["makespan_s"])
+            b = run_variant(stream, sched, work, split, variants[0], window, link_bw, base["makespan_s"], placement,
+                            host_update, host_limit)
         except StageResidencyError as e:
             tried[str(k)] = {"infeasible": str(e)}
             continue
@@ -322,8 +337,8 @@ def run_setting(stream: Stream, window: int, oversub: float, link_bw: float, are
         "acts_only_over_all_resident": base["makespan_s"] / acts_only.step_time,
         "bound_no_copies_over_all_resident": base["makespan_s"] / bound.step_time,
     })
-    return {**common, "rows": {v: run_variant(stream, sched, work, split, v, window, link_bw, base["makespan_s"])
-                               for v in variants}}
+    return {**common, "rows": {v: run_variant(stream, sched, work, split, v, window, link_bw, base["makespan_s"],
+                                              placement, host_update, host_limit) for v in variants}}
 
 
 def baseline(stream: Stream, window: int) -> dict:
@@ -352,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--links", type=float, nargs="+", default=[25e9], help="host link bytes/s each way, per stage")
     ap.add_argument("--peer-links", type=float, nargs="*", default=[],
                     help="also run with the peer tier (issue 26) over a peer link of these bytes/s each way")
+    ap.add_argument("--placements", nargs="+", default=["device", "hybrid"], choices=["device", "hybrid", "hybrid_limit"],
+                    help="memory.optimizer: device (every op with its state) or hybrid (the runtime's default)")
+    ap.add_argument("--host-update", type=float, default=1.5e9,
+                    help="hybrid: parameters the host's optimizer steps a second, per stage (bench/vtm.py's default)")
     args = ap.parse_args(argv)
     P = args.stages
     variants = RUNTIME_VARIANTS + (() if args.no_what_ifs else WHAT_IFS)
@@ -371,26 +390,30 @@ def main(argv: Sequence[str] | None = None) -> None:
                      f"window {picked['window']}; all-resident utilisation " +
                      ", ".join(f"w={w}: {b['utilisation']:.3f}" for w, b in bases.items()))
             head = {"bench": "vtm_cross", "mode": "simulated", "P": P, "M": M, "sampler": "fair",
-                    "shared_ops": "delayed", "optimizer": opt, "placement": "device",
+                    "shared_ops": "delayed", "optimizer": opt,
                     "issue15_window": picked["window"], "subnets": args.subnets, "seed": args.seed,
                     "space": "transformer naspipe 48x24", "costs": "analytic", "rates": SETTING["rates"],
                     "baseline": "all-resident cross-subnet schedule, same subnets and window, same run"}
-            for link_bw, peer_bw, oversub, window in product(args.links, [None, *args.peer_links], args.oversub,
-                                                              windows):
+            for placement, link_bw, peer_bw, oversub, window in product(args.placements, args.links,
+                                                                         [None, *args.peer_links], args.oversub,
+                                                                         windows):
                 t1 = time.perf_counter()
                 res = run_setting(stream, window, oversub, link_bw, args.arena_subnets, variants, bases[window],
-                                  peer_bw)
-                body = {k: v for k, v in res.items() if k != "rows"}
+                                  peer_bw, placement.removesuffix("_limit"), args.host_update,
+                                  placement.endswith("_limit"))
+                body = {"placement": placement,
+                        "host_update_params_per_s": args.host_update if placement != "device" else None,
+                        **{k: v for k, v in res.items() if k != "rows"}}
                 if "rows" not in res:
                     rows.append({**head, **body})
-                    progress(f"{opt} M={M} x{oversub:g} w={window}: infeasible")
+                    progress(f"{opt} {placement} M={M} x{oversub:g} w={window}: infeasible")
                     continue
                 for v, fig in res["rows"].items():
                     fig["over_best_all_resident"] = best_base / fig["makespan_s"]
                     rows.append({**head, "policy": v.policy, "prefetch_depth": v.depth,
                                  "prefetch_depth_resolved": depth_of(v.depth, window), "copy_streams": v.streams,
                                  "adopt": v.adopt, "horizon": v.horizon, "runtime": v.runtime, **body, **fig})
-                progress(f"{opt} M={M} x{oversub:g} w={window} {link_bw / 1e9:g} GB/s"
+                progress(f"{opt} {placement} M={M} x{oversub:g} w={window} {link_bw / 1e9:g} GB/s"
                          f"{f' peer {peer_bw / 1e9:g} GB/s' if peer_bw else ''}: "
                          f"{time.perf_counter() - t1:.0f} s, arena x{res['arena_subnets']:g}, "
                          f"acts only {res['acts_only_over_all_resident']:.3f}, "
@@ -410,23 +433,27 @@ def verdicts(rows: Sequence[dict], P: int) -> list[dict]:
         return out
     link = rows[0]["host_link_GBps"]
     peers = sorted({r.get("peer_link_GBps") for r in rows}, key=lambda g: (g is not None, g or 0.0))
-    for opt, (oversub, goal), runtime, peer in product(sorted({r["optimizer"] for r in rows}), TARGETS.items(),
-                                                       (True, False), peers):
+    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    for opt, placement, (oversub, goal), runtime, peer in product(sorted({r["optimizer"] for r in rows}), placements,
+                                                                  TARGETS.items(), (True, False), peers):
         cand = [r for r in rows if r["optimizer"] == opt and r["oversubscription"] == oversub and r["M"] == 4
                 and r.get("policy") == "belady" and r.get("runtime") == runtime and r["host_link_GBps"] == link
-                and r.get("peer_link_GBps") == peer]
+                and r.get("peer_link_GBps") == peer and r["placement"] == placement]
         if not cand:
             continue
         r = max(cand, key=lambda r: r["over_best_all_resident"])
         tier = f" with the peer tier ({peer:g} GB/s)" if peer else ""
-        out.append({"bench": "vtm_cross_verdict", "optimizer": opt, "host_link_GBps": link, "peer_link_GBps": peer,
+        out.append({"bench": "vtm_cross_verdict", "optimizer": opt, "placement": placement,
+                    "host_update_params_per_s": r["host_update_params_per_s"],
+                    "host_link_GBps": link, "peer_link_GBps": peer,
                     "what": f">= {goal}x all-resident at {oversub:g}x over-subscription, P={P}, M=4",
                     "as": ("the runtime" if runtime else "the runtime before fb3ab5a") + tier,
                     "figure": r["over_best_all_resident"], "same_window_figure": r["over_all_resident"],
                     "met": r["over_best_all_resident"] >= goal, "window": r["window"],
                     "prefetch_depth": r["prefetch_depth"], "copy_streams": r["copy_streams"], "adopt": r["adopt"],
                     "horizon": r.get("horizon"),
-                    "hit_rate": r["hit_rate"], "stalls": r["stalls"]["count"],
+                    "hit_rate": r["hit_rate"], "host_update_share": r["host_update_share"],
+                    "stalls": r["stalls"]["count"],
                     "stall_s": r["stalls"]["seconds_all_stages"]})
     return out
 

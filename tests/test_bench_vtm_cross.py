@@ -73,13 +73,15 @@ def test_rows_and_verdicts(stream: Stream) -> None:
     base = baseline(stream, 2)
     res = run_setting(stream, 2, 4.0, 25e9, [2.0], RUNTIME_VARIANTS, base)
     assert res["all_resident"] == base and set(res["rows"]) == set(RUNTIME_VARIANTS)
-    rows = [{"optimizer": "sgd", "oversubscription": 4.0, "M": 4, "host_link_GBps": 25.0, "policy": v.policy,
+    rows = [{"optimizer": "sgd", "placement": "device", "host_update_params_per_s": None,
+             "oversubscription": 4.0, "M": 4, "host_link_GBps": 25.0, "policy": v.policy,
              "runtime": v.runtime, "window": 2, "prefetch_depth": v.depth, "copy_streams": v.streams, "adopt": v.adopt,
              "horizon": v.horizon,
              "over_best_all_resident": r["over_all_resident"], **r} for v, r in res["rows"].items()]
     (line,) = verdicts(rows, 4)
     best = max(r["over_all_resident"] for v, r in res["rows"].items() if v.policy == "belady")
     assert line["figure"] == best and line["met"] == (best >= 0.95) and line["as"] == "the runtime"
+    assert line["placement"] == "device"
     assert depth_of("2", 5) == 2 and depth_of("w+1", 5) == 6 and depth_of("w", 3) == 3
 
 
@@ -98,3 +100,18 @@ def test_the_peer_tier_lends_the_holders_room_to_their_givers(stream: Stream) ->
     split = memory_split(stream, 2, 4.0, 2.0, 25e9 / 1e4, 150e9)
     assert all(p == 0.0 for p in split["peer"][1])  # the holder gives nothing
     assert split["acts"][1] >= memory_split(stream, 2, 4.0, 2.0, 25e9 / 1e4)["acts"][1]  # it keeps room to lend
+
+
+def test_the_hybrid_placement_steps_ops_on_the_host_and_a_host_limit_steps_fewer(stream: Stream) -> None:
+    device = run_setting(stream, 2, 4.0, 25e9 / 1e4, [2.0], RUNTIME_VARIANTS[:1])
+    hybrid = run_setting(stream, 2, 4.0, 25e9 / 1e4, [2.0], RUNTIME_VARIANTS[:1], placement="hybrid")
+    slow = run_setting(stream, 2, 4.0, 25e9 / 1e4, [2.0], RUNTIME_VARIANTS[:1], placement="hybrid",
+                       host_update=1.0, host_limit=True)  # the host steps almost nothing while a subnet runs
+    (d,), (h,), (lim,) = (x["rows"].values() for x in (device, hybrid, slow))
+    assert d["host_update_share"] == 0.0 and d["GB_per_subnet"]["grads_to_host"] == 0.0
+    assert 0 < h["host_update_share"] < 1 and h["GB_per_subnet"]["grads_to_host"] > 0
+    assert h["GB_per_subnet"]["fetched"] < d["GB_per_subnet"]["fetched"]  # weights alone come up for host steps
+    assert lim["host_update_share"] < h["host_update_share"]
+    for r in (h, lim):
+        assert r["peak_arena_over_capacity"] <= 1.0
+        assert r["hit_rate"] + r["prefetched_share"] + r["miss_share"] + r["arrived_share"] == pytest.approx(1.0)

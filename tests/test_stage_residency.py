@@ -96,7 +96,7 @@ def test_a_slow_link_stalls_first_forwards_and_the_waits_add_up() -> None:
     plans = [plan_stage(sched, s, sizes, capacity, "belady") for s in range(P)]
     for duplex in (False, True):
         copies = residency_copies(sched, plans, duplex=duplex)
-        assert {c.channel for c in copies} <= ({"h2d", "d2h", "host"} if duplex else {"h2d", "host"})
+        assert {c.channel for c in copies} <= ({"h2d", "d2h"} if duplex else {"h2d"})
         r = simulate(sched, work=work, copies=copies, links=HostLinks((20.0,) * P, (20.0,) * P, (1.0,) * P))
         assert r.step_time > base.step_time and r.waited
         assert all(a.kind == "F" and a.microbatch == 0 for a in r.waited)  # nothing moves: only fetches wait
@@ -180,3 +180,89 @@ def test_bad_inputs_name_what_was_expected() -> None:
         plan_stage(sched, 0, {}, 10**9)
     with pytest.raises(ValueError, match="policy"):
         plan_stage(sched, 0, sizes, 10**9, policy="fifo")
+
+
+# -- hybrid optimizer placement (``weights``: the runtime's default, memory.optimizer=hybrid) --------
+
+def _hybrid_case():
+    # stage 0: "a" runs in subnets 0 and 1 (the next subnet reuses it at 0: its state comes along),
+    # "x" in 0 and 2 (never by the next one: weights alone, the host steps it), "y" in 1, "b" in 2
+    uses = [(frozenset({"a", "x"}), frozenset({"c"})), (frozenset({"a", "y"}), frozenset({"c"})),
+            (frozenset({"b", "x"}), frozenset({"c"}))]
+    work = [SubnetWork(u, (1.0,) * P, (2.0,) * P, (0.1,), (0.5,) * P) for u in uses]
+    sizes = {"a": 10, "x": 10, "y": 10, "b": 10, "c": 10}
+    weights = {op: 4 for op in sizes}
+    sched = cross_subnet(work, M, 1, origin={"a": 0, "x": 0, "y": 0, "b": 0, "c": 1})
+    return work, sizes, weights, sched
+
+
+def test_hybrid_keeps_the_state_only_where_the_next_subnet_reuses_the_op() -> None:
+    work, sizes, weights, sched = _hybrid_case()
+    plan = plan_stage(sched, 0, sizes, 100, "belady", prefetch_depth=0, weights=weights)
+    fetched = [(f.op, f.subnet, f.nbytes) for ev in plan.events for f in ev.fetches]
+    assert sorted(fetched) == [("a", 0, 10), ("b", 2, 4), ("x", 0, 4), ("x", 2, 4), ("y", 1, 4)]
+    ends = {ev.subnet: ev.host_updates for ev in plan.events if ev.kind == "end"}
+    # "a" is still resident with its state at subnet 1 (no reuse after it): stepped on the device
+    assert ends == {0: (("x", 4),), 1: (("y", 4),), 2: (("b", 4), ("x", 4))}
+    assert plan.host_updates == 4 and plan.host_bytes == 16 and plan.written_bytes == 0
+    # without weights every op travels with its state and nothing is stepped on the host
+    device = plan_stage(sched, 0, sizes, 100, "belady", prefetch_depth=0)
+    assert device.host_updates == 0 and device.fetched_bytes == 40 > plan.fetched_bytes
+    assert all(not ev.host_updates for ev in device.events)
+
+
+def test_hybrid_fetches_an_op_the_host_stepped_only_after_that_step() -> None:
+    work, sizes, weights, sched = _hybrid_case()
+    plans = [plan_stage(sched, s, sizes, 100, "belady", prefetch_depth=0, weights=weights) for s in range(P)]
+    copies = residency_copies(sched, plans)
+    idx: dict[str, int] = {}
+    for i, c in enumerate(copies):  # each label's first job on stage 0 (subnet 0's)
+        if c.stage == 0:
+            idx.setdefault(c.label, i)
+    (refetch,) = [c for c in copies if c.stage == 0 and c.label == "x" and c.before == Action(0, "F", 0, 2)]
+    assert idx["host update x"] in refetch.waits_for
+    assert copies[idx["host update x"]].waits_for == (idx["grads x"],)
+    assert copies[idx["grads x"]].channel == "d2h" and copies[idx["grads x"]].nbytes == 4
+    # a host that steps slowly delays the subnet that needs "x" again; a fast one costs nothing
+    fast = HostLinks((math.inf,) * P, (math.inf,) * P, (math.inf,) * P)
+    slow = HostLinks((math.inf,) * P, (math.inf,) * P, (0.1,) * P)  # 40 s a step of "x"
+    base = simulate(sched, work=work)
+    assert simulate(sched, work=work, copies=copies, links=fast).step_time == base.step_time
+    r = simulate(sched, work=work, copies=copies, links=slow)
+    assert r.step_time > base.step_time and Action(0, "F", 0, 2) in r.waited
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hybrid_never_exceeds_the_arena_and_moves_less_than_the_device_placement(seed: int) -> None:
+    work, sizes = _stream(24, seed)
+    weights = {op: n // 3 for op, n in sizes.items()}
+    capacity = 2 * max(sum(sizes[o] for o in w.uses[s]) for w in work for s in range(P))
+    sched = _schedule(work, sizes, capacity=capacity)
+    for s in range(P):
+        hybrid = plan_stage(sched, s, sizes, capacity, "belady", weights=weights)
+        device = plan_stage(sched, s, sizes, capacity, "belady")
+        assert hybrid.peak_bytes <= capacity and hybrid.uses == device.uses
+        assert hybrid.hits + hybrid.prefetched + hybrid.misses == hybrid.uses
+        assert hybrid.fetched_bytes + hybrid.written_bytes + hybrid.host_bytes \
+            < device.fetched_bytes + device.written_bytes
+        assert 0 < hybrid.host_updates < hybrid.uses
+
+
+def test_hybrid_weights_must_fit_in_the_sizes() -> None:
+    work, sizes, weights, sched = _hybrid_case()
+    with pytest.raises(StageResidencyError, match="weight bytes"):
+        plan_stage(sched, 0, sizes, 100, weights={**weights, "a": 11})
+    with pytest.raises(StageResidencyError, match="weight bytes"):
+        plan_stage(sched, 0, sizes, 100, weights={k: v for k, v in weights.items() if k != "x"})
+
+
+def test_a_host_budget_keeps_the_state_of_the_ops_past_it() -> None:
+    work, sizes, weights, sched = _hybrid_case()
+    # subnet 0's host may step nothing: its "x" keeps its state (fetched whole, written back when
+    # evicted changed); subnets 1 and 2 room for one op each (4 bytes): "b" goes first at 2, "x" keeps
+    plan = plan_stage(sched, 0, sizes, 100, "belady", prefetch_depth=0, weights=weights,
+                      host_budget={0: 0, 1: 4, 2: 4})
+    fetched = sorted((f.op, f.subnet, f.nbytes) for ev in plan.events for f in ev.fetches)
+    assert fetched == [("a", 0, 10), ("b", 2, 4), ("x", 0, 10), ("y", 1, 4)]  # "x" stays resident: no refetch
+    ends = {ev.subnet: ev.host_updates for ev in plan.events if ev.kind == "end"}
+    assert ends == {0: (), 1: (("y", 4),), 2: (("b", 4),)}

@@ -35,6 +35,16 @@ holds the stage (the runtime before synchronized it; an op exported from the are
 nothing). Write-backs run on a channel of their own beside the fetches (``duplex``: the runtime's
 CUDA copier has a stream per direction) or share the fetches' FIFO (one stream, the runtime
 before). Pure: values in, values out.
+
+**Hybrid optimizer placement** (``weights`` given: ``memory.optimizer=hybrid``, the runtime's
+default). As the runtime's working set places an op for its use by a subnet: with its optimizer
+state (``sizes[op]`` bytes, updated on the device, written back when evicted changed) when the
+next subnet in this stage's order also runs it (:data:`pipeline.plan.hybrid.REUSE_NEXT`) and it
+fits beside the ops pinned with it, else its weights alone (``weights[op]`` bytes). An op held
+without its state is updated on the host: at the subnet's update here its gradients go down
+(``weights[op]`` bytes), the host steps it and the op leaves the arena (the device copy is
+stale; nothing to write back); its next fetch waits for that host update. An op resident with
+its state serves any use on the device; one resident without it serves the use on the host.
 """
 from __future__ import annotations
 
@@ -86,6 +96,7 @@ class StageEvent:
     leave: tuple[tuple[str, int], ...] = ()
     used_bytes: int = 0
     peak_bytes: int = 0
+    host_updates: tuple[tuple[str, int], ...] = ()  # (op, weight bytes) updated on the host at an ``end``
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,8 @@ class StageResidency:
     written_bytes: int
     peak_bytes: int
     arrived: int = 0  # with ``adopt="device"``: uses by an op that came from another stage into the arena
+    host_updates: int = 0  # with ``weights``: uses updated on the host (hybrid placement)
+    host_bytes: int = 0  # their weight bytes (the gradients sent down, the host's update)
 
     @property
     def hit_rate(self) -> float:
@@ -113,7 +126,9 @@ class StageResidency:
 
 
 def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacity: int, policy: str = "belady",
-               prefetch_depth: int = 2, adopt: str = "device", past_in_flight: bool = True) -> StageResidency:
+               prefetch_depth: int = 2, adopt: str = "device", past_in_flight: bool = True,
+               weights: Mapping[str, int] | None = None,
+               host_budget: Mapping[int, float] | None = None) -> StageResidency:
     """The tensor manager's decisions on ``stage`` over ``schedule`` (the module doc).
 
     ``sizes[op]``: the op's bytes in the arena (weights, buffers and optimizer state on the
@@ -124,6 +139,10 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
     so its first use here fetches it, and the stage it leaves writes it back first).
     ``past_in_flight``: the fetches ahead look ``prefetch_depth + 1`` pending subnets past those
     in flight (the runtime); ``False``: the in-flight ones count in them (the runtime before).
+    ``weights[op]``: the op's weight bytes, for the hybrid optimizer placement (the module doc;
+    None: every op travels with its state, ``memory.optimizer=device``). ``host_budget[t]``: the
+    weight bytes the host may step for subnet ``t`` here (what it steps while the subnet runs);
+    past it, the subnet's ops keep their state where it fits (None: no limit, the runtime's rule).
     Raises :class:`StageResidencyError` when the ops pinned at once exceed ``capacity``.
     """
     if adopt not in ("host", "device"):
@@ -144,6 +163,10 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
     for op in positions:
         if op not in sizes:
             raise StageResidencyError(f"sizes: op {op!r} (used on stage {stage}) has no entry")
+        if weights is not None and not 0 <= weights.get(op, -1) <= sizes[op]:
+            raise StageResidencyError(f"weights: expected op {op!r}'s weight bytes, at most its sizes entry "
+                                      f"({sizes[op]}), found {weights.get(op)!r}")
+    at = {t: i for i, t in enumerate(order)}
     # ownership: ops arrive with a subnet's first forward, leave after an update here
     arrive: dict[int, list[str]] = {}
     leave: dict[int, list[str]] = {}
@@ -168,7 +191,9 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
     used = 0
     begun = 0  # subnets begun here (they begin in ``order``)
     tick = 0
-    totals = dict(hits=0, prefetched=0, misses=0, fetched=0, written=0, peak=0, arrived=0)
+    stateless: set[str] = set()  # resident without their optimizer state (hybrid: updated on the host)
+    host_left = dict(host_budget) if host_budget is not None else None
+    totals = dict(hits=0, prefetched=0, misses=0, fetched=0, written=0, peak=0, arrived=0, host=0, host_bytes=0)
     events: list[StageEvent] = []
 
     def next_use(op: str) -> float:
@@ -192,6 +217,7 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
         nonlocal used
         used -= res.pop(op)
         ahead.discard(op)
+        stateless.discard(op)
         if op in dirty:
             dirty.discard(op)
             ev.writeback.append((op, sizes[op]))
@@ -215,9 +241,29 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
             made.append(v.op_id)
         return tuple(made)
 
-    def place(op: str, subnet: int, victims: tuple[str, ...], ev: _Event) -> None:
+    def keeps_state(op: str, subnet: int) -> bool:
+        """Hybrid: whether the op's use by ``subnet`` takes its state along (the next subnet in
+        this stage's order runs it too, or the host's budget for the subnet is spent)."""
+        if weights is None or at[subnet] + 1 in positions_set[op]:
+            return True
+        return host_left is not None and host_left.get(subnet, 0.0) < weights[op]
+
+    def size_for(op: str, subnet: int, pinned_bytes: int) -> int:
+        """The bytes a fetch of ``op`` for ``subnet`` brings: with its state when the rule says
+        so and it fits beside ``pinned_bytes`` of ops held with it, else its weights."""
+        if weights is None:
+            return sizes[op]
+        if keeps_state(op, subnet) and pinned_bytes + sizes[op] <= capacity:
+            return sizes[op]
+        return weights[op]
+
+    def place(op: str, subnet: int, victims: tuple[str, ...], ev: _Event, n: int | None = None) -> None:
         nonlocal used
-        n = res[op] = sizes[op]
+        n = res[op] = sizes[op] if n is None else n
+        if n < sizes[op]:
+            stateless.add(op)
+            if host_left is not None:
+                host_left[subnet] = host_left.get(subnet, 0.0) - weights[op]
         used += n
         totals["fetched"] += n
         ev.fetches.append(Fetch(op, n, subnet, victims))
@@ -232,11 +278,20 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
             for op in uses[t]:
                 if op not in owned or op in res or not sizes[op]:
                     continue
-                victims = make_room(sizes[op], idx, keep, ev)
+                n, victims = sizes[op], None
+                if weights is not None:  # (the runtime's working set: with the state if room can be made for it)
+                    if keeps_state(op, t):
+                        victims = make_room(n, idx, keep, ev)
+                    if victims is None:
+                        n = weights[op]
+                if victims is None:
+                    victims = make_room(n, idx, keep, ev)
                 if victims is None:
                     return  # full of ops needed no later than this one
-                place(op, t, victims, ev)
+                place(op, t, victims, ev, n)
                 ahead.add(op)
+
+    positions_set = {op: set(ps) for op, ps in positions.items()}
 
     def close(kind: str, t: int | None, a: Action | None, ev: _Event, **kw) -> None:
         totals["peak"] = max(totals["peak"], ev.peak, used)
@@ -272,10 +327,11 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
                     used += sizes[op]
                     totals["arrived"] += 1
                 else:
-                    victims = make_room(sizes[op], None, (), ev)
-                    place(op, t, victims, ev)
+                    n = size_for(op, t, sum(res.get(o, 0) for o in pinned if o != op))
+                    victims = make_room(n, None, (), ev)
+                    place(op, t, victims, ev, n)
                 ahead.discard(op)
-                if op not in schedule.frozen:
+                if op not in schedule.frozen and op not in stateless:
                     dirty.add(op)  # its update runs on the device while it is pinned
             ev.peak = max(ev.peak, used)
             if used > capacity:
@@ -289,10 +345,17 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
         elif a.kind == "U":
             t = a.subnet
             ev = _Event()
+            hosted = []
             for op in inflight.pop(t):
                 pinned[op] -= 1
+                if op in stateless and op not in schedule.frozen:
+                    hosted.append((op, weights[op]))  # its gradients go home, the host steps it
                 if not pinned[op]:
                     del pinned[op]
+                    if op in stateless:  # the host's update leaves the device copy stale
+                        evict(op, ev)
+            totals["host"] += len(hosted)
+            totals["host_bytes"] += sum(n for _, n in hosted)
             pump(ev)
             left = []
             for op in leave.get(t, ()):
@@ -307,10 +370,11 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
                     dirty.discard(op)
                 owned.discard(op)
                 left.append((op, n))
-            close("end", t, a, ev, leave=tuple(left))
+            close("end", t, a, ev, leave=tuple(left), host_updates=tuple(hosted))
     return StageResidency(stage, rule.name, capacity, prefetch_depth, tuple(events),
                           sum(len(uses[t]) for t in order), totals["hits"], totals["prefetched"], totals["misses"],
-                          totals["fetched"], totals["written"], totals["peak"], totals["arrived"])
+                          totals["fetched"], totals["written"], totals["peak"], totals["arrived"], totals["host"],
+                          totals["host_bytes"])
 
 
 def residency_copies(schedule: Schedule, plans: Sequence[StageResidency], timed_start: bool = True,
@@ -332,13 +396,30 @@ def residency_copies(schedule: Schedule, plans: Sequence[StageResidency], timed_
         prev = {a: row[k - 1] if k else None for k, a in enumerate(row)}
         after_u = {a: row[k + 1] for k, a in enumerate(row[:-1]) if a.kind == "U"}
         written: dict[str, int] = {}  # op -> index of its last write-back copy
+        stepped: dict[str, int] = {}  # op -> index of its last host update (hybrid)
 
-        def jobs(ev: StageEvent, after: Action | None, ready: float, gate: tuple[int, ...] = ()) -> None:
+        def jobs(ev: StageEvent, after: Action | None, ready: float, sent: Action | None = None) -> None:
+            """``sent``: the event's copies also wait for that action (the input's send): a job of
+            no bytes on each channel they use, just before them (the host channel, where it once
+            waited, may be busy with updates)."""
+            gates: dict[str, tuple[int, ...]] = {}
+
+            def gate(channel: str) -> tuple[int, ...]:
+                if sent is None or not ev.fetches:
+                    return ()
+                if channel not in gates:
+                    gates[channel] = (len(copies),)
+                    copies.append(Copy(s, channel, 0.0, after=sent, label="input sent"))
+                return gates[channel]
+
             for op, n in ev.writeback:
+                g = gate(back)
                 written[op] = len(copies)
-                copies.append(Copy(s, back, n, ready=ready, after=after, waits_for=gate, label=f"writeback {op}"))
+                copies.append(Copy(s, back, n, ready=ready, after=after, waits_for=g, label=f"writeback {op}"))
             for f in ev.fetches:
-                waits = gate + tuple(written[v] for v in f.victims if v in written)
+                waits = gate("h2d") + tuple(written[v] for v in f.victims if v in written)
+                if f.op in stepped:  # its weights come up once the host has stepped it
+                    waits += (stepped[f.op],)
                 copies.append(Copy(s, "h2d", f.nbytes, ready=ready, after=after,
                                    before=Action(s, "F", 0, f.subnet), waits_for=waits, label=f.op))
 
@@ -348,16 +429,16 @@ def residency_copies(schedule: Schedule, plans: Sequence[StageResidency], timed_
                     jobs(ev, None, 0.0)
             elif ev.kind == "begin":
                 # the store hears of the forward once the stage is free and its input was sent
-                gate: tuple[int, ...] = ()
-                if s > 0 and ev.fetches:
-                    gate = (len(copies),)
-                    copies.append(Copy(s, "host", 0.0, after=Action(s - 1, "F", 0, ev.subnet), label="input sent"))
-                p = prev[ev.action]
-                jobs(ev, p, 0.0, gate)
+                jobs(ev, prev[ev.action], 0.0, Action(s - 1, "F", 0, ev.subnet) if s > 0 else None)
                 for ch, n in more.get(ev.action, ()):
                     if n:
                         copies.append(Copy(s, ch, n, ready=0.0, after=ev.action, label=f"{ch} more"))
             else:
+                for op, n in ev.host_updates:  # the gradients down, then the host's step of the op
+                    copies.append(Copy(s, back, n, ready=0.0, after=ev.action, label=f"grads {op}"))
+                    stepped[op] = len(copies)
+                    copies.append(Copy(s, "host", n, ready=0.0, after=ev.action, waits_for=(len(copies) - 1,),
+                                       label=f"host update {op}"))
                 jobs(ev, ev.action, 0.0)
                 nxt = after_u.get(ev.action)
                 for op, n in ev.leave:
