@@ -240,8 +240,8 @@ def run_variant(stream: Stream, sched, work, split: dict, v: Variant, window: in
     the state comes along only where the next subnet on the stage reuses the op, else the host
     steps the op at ``host_update`` parameters/s per stage; :mod:`pipeline.plan.stage_residency`).
     ``host_limit``: the host steps no more of a subnet's ops than it can while the stage computes
-    the subnet (M forwards and backwards); the rest keep their state (a what-if: the runtime's rule
-    has no such limit)."""
+    the subnet (M forwards and backwards); the rest keep their state where they fit (the runtime
+    with ``memory.host_update_rate``: the placement ``hybrid_rate``)."""
     P, T = stream.P, len(stream.work)
     weights = ({op: c.param_bytes for op, c in stream.space.table.ops.items()} if placement == "hybrid" else None)
     budgets = [{t: 4.0 * host_update * stream.M * (w.fwd[s] + w.bwd[s]) for t, w in enumerate(work)}
@@ -367,8 +367,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--links", type=float, nargs="+", default=[25e9], help="host link bytes/s each way, per stage")
     ap.add_argument("--peer-links", type=float, nargs="*", default=[],
                     help="also run with the peer tier (issue 26) over a peer link of these bytes/s each way")
-    ap.add_argument("--placements", nargs="+", default=["device", "hybrid"], choices=["device", "hybrid", "hybrid_limit"],
-                    help="memory.optimizer: device (every op with its state) or hybrid (the runtime's default)")
+    ap.add_argument("--placements", nargs="+", default=["device", "hybrid", "hybrid_rate"],
+                    choices=["device", "hybrid", "hybrid_rate"],
+                    help="memory.optimizer: device (every op with its state), hybrid (the runtime's default) or "
+                         "hybrid_rate (hybrid with memory.host_update_rate = --host-update)")
     ap.add_argument("--host-update", type=float, default=1.5e9,
                     help="hybrid: parameters the host's optimizer steps a second, per stage (bench/vtm.py's default)")
     args = ap.parse_args(argv)
@@ -399,8 +401,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                                          windows):
                 t1 = time.perf_counter()
                 res = run_setting(stream, window, oversub, link_bw, args.arena_subnets, variants, bases[window],
-                                  peer_bw, placement.removesuffix("_limit"), args.host_update,
-                                  placement.endswith("_limit"))
+                                  peer_bw, placement.removesuffix("_rate"), args.host_update,
+                                  placement.endswith("_rate"))
                 body = {"placement": placement,
                         "host_update_params_per_s": args.host_update if placement != "device" else None,
                         **{k: v for k, v in res.items() if k != "rows"}}

@@ -197,7 +197,8 @@ class StageExecutor:
         uses = sch.uses or tuple((frozenset(),) * P for _ in seg.steps)
         pending = list(order)  # subnets not yet updated here, in the manager's future order
         pinned: dict[int, frozenset[str]] = {}  # subnets in flight here -> their ops
-        self.tensors.prefetch([uses[t][me] for t in order] + list(seg.after))
+        self.tensors.prefetch([uses[t][me] for t in order] + list(seg.after),
+                              [_compute_s(seg.plans[t], me, M) for t in order])
 
         runs: dict[tuple[int, int], SliceRun] = {}
         weights: dict[tuple[int, int], SliceRun] = {}  # B done, W to come: the record stays
@@ -463,3 +464,15 @@ class _Inbox:
                 got[nxt] = handle.wait()
         self.stats.wait_s += time.perf_counter() - w0
         return got.pop(w)
+
+
+def _compute_s(plan, stage: int, microbatches: int) -> float | None:
+    """A subnet's estimated compute on ``stage`` (its ``microbatches`` forwards and backwards):
+    what the tensor manager's host may step its ops in (``memory.host_update_rate``)."""
+    work = getattr(plan, "work", None)
+    if work is not None:
+        return microbatches * (work.fwd[stage] + work.bwd[stage])
+    partition = getattr(plan, "partition", None)
+    if partition is None or stage >= len(partition.stage_times):
+        return None
+    return microbatches * partition.stage_times[stage]

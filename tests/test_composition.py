@@ -59,7 +59,9 @@ def scenarios(stages: int | None) -> list[Scenario]:
     if stages is None:  # one process per stage (P = 2)
         return [
             sc("transformer", 4, "delayed", budgeted("transformer", "sgd", "fair")),
-            sc("conv", 4, "exact", budgeted("conv", "adamw", "fair", optimizer="hybrid"), optimizer="adamw"),
+            # a host that steps only part of a subnet's ops in time (memory.host_update_rate)
+            sc("conv", 4, "exact", budgeted("conv", "adamw", "fair", optimizer="hybrid", host_update_rate=1e7),
+               optimizer="adamw"),
             sc("conv", 1, "frozen", budgeted("conv", "sgd", "fair", optimizer="host"), eval_archs=1),
             sc("transformer", 4, "frozen", {"activations": "recompute"}),
             # a shared op mid-graph: "transition" changes stage between subnets, with its versions
@@ -76,7 +78,8 @@ def scenarios(stages: int | None) -> list[Scenario]:
     return [  # the (2, 2) mesh: two replicas of a 2-stage pipeline
         sc("transformer", 4, "delayed", None),
         sc("conv", 1, "exact", budgeted("conv", "sgd", "fair")),
-        sc("transformer", 4, "exact", budgeted("transformer", "adamw", "fair", optimizer="hybrid"), optimizer="adamw"),
+        sc("transformer", 4, "exact", budgeted("transformer", "adamw", "fair", optimizer="hybrid",
+                                                host_update_rate=1e8), optimizer="adamw"),
         sc("conv", 4, "frozen", budgeted("conv", "sgd", "fair", optimizer="host")),
         sc("conv", 4, "delayed", None),
         sc("resmlp", 4, "delayed", None, eval_archs=1),

@@ -704,3 +704,30 @@ def test_the_manager_runs_portable_adamw_on_cuda_only() -> None:
     graph = build_graph("conv")
     assert not TensorManager(graph, 0, optim_of("adamw")).optim.portable
     assert not TensorManager(graph, 0, optim_of("sgd"), "meta").optim.portable
+
+
+@pytest.mark.parametrize("seconds, on_host", [(None, True), (1.0, True), (0.0, False)])
+def test_a_host_that_cannot_step_an_op_in_time_leaves_its_state_on_the_device(seconds, on_host: bool) -> None:
+    """memory.host_update_rate: the hybrid placement sends an op not reused by the next step
+    home to be stepped by the host only while the host can step it within the step's compute
+    (``host_seconds``); past that, its state comes along and the device steps it."""
+    graph = build_graph("conv")
+    own = [s.op_id for s in graph.slots()]
+    room = TensorManager(graph, 0, optim_of("sgd"), own=own, memory=MemorySettings(optimizer="device")).footprint(own)
+    mem = MemorySettings(device_budget_bytes=room, optimizer="hybrid", host_update_rate=1e9)
+    tm = TensorManager(graph, 0, optim_of("sgd"), own=own, memory=mem)
+    a, b = (frozenset(o.op_id for o in graph.active_ops(x)) & set(own) for x in arch_stream(graph, 3, 2))
+    alone = [o for o in a - b if tm._store.ops[o].params]  # not reused by the next step: the host's by the rule
+    assert alone
+    tm.prefetch([a, b], None if seconds is None else [seconds, None])
+    assert {tm._store.ops[o].optim_on_host for o in alone} == {on_host}
+    if seconds is None:  # no rate asked for: as without memory.host_update_rate
+        tm2 = TensorManager(graph, 0, optim_of("sgd"), own=own, memory=dataclasses.replace(mem, host_update_rate=None))
+        tm2.prefetch([a, b], [0.0, None])
+        assert all(tm2._store.ops[o].optim_on_host for o in alone)
+
+
+def test_the_host_update_rate_names_the_field() -> None:
+    for bad in (0, -1.0, float("inf"), "fast", True):
+        with pytest.raises(ValueError, match=r"memory\.host_update_rate: expected a positive number"):
+            MemorySettings(host_update_rate=bad)

@@ -125,10 +125,18 @@ class TensorManager:
         return state
 
     # -- residency -------------------------------------------------------------------------
-    def prefetch(self, upcoming: Sequence[Collection[str]]) -> None:
+    def prefetch(self, upcoming: Sequence[Collection[str]],
+                 host_seconds: Sequence[float | None] | None = None) -> None:
         """The op ids of the coming steps, in order (the first: the step about to run, whose
-        ``ensure`` comes next); fetching starts in the background. Unowned ids are ignored."""
-        self._store.prefetch(upcoming)
+        ``ensure`` comes next); fetching starts in the background. Unowned ids are ignored.
+        ``host_seconds``: per coming step, the seconds it computes here (its estimate): with the
+        hybrid placement and ``memory.host_update_rate``, the host steps no more of a step's ops
+        than it can in that time (None: no limit)."""
+        rate = self.memory.host_update_rate
+        budget = None
+        if rate is not None and host_seconds is not None:
+            budget = [None if s is None else rate * s for s in host_seconds]
+        self._store.prefetch(upcoming, budget)
 
     def ensure(self, op_ids: Collection[str]) -> None:
         """Make ``op_ids`` resident and pin them until ``release_step`` (a stall when they were

@@ -71,6 +71,7 @@ class MemorySettings:
     peer_link_bandwidth: float = 150e9
     optimizer: str = "hybrid"
     cpu_copies: str = "inline"
+    host_update_rate: float | None = None  # hybrid: parameters/s the host steps; null: no limit
 
     @property
     def state_can_stay_home(self) -> bool:
@@ -126,5 +127,8 @@ class MemorySettings:
             raise ValueError(f"memory.activations: expected one of {list(ACTIVATIONS)}, found {self.activations!r}")
         if self.cpu_copies not in CPU_COPIES:
             raise ValueError(f"memory.cpu_copies: expected one of {list(CPU_COPIES)}, found {self.cpu_copies!r}")
+        r = self.host_update_rate
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf")):
+            raise ValueError(f"memory.host_update_rate: expected a positive number (parameters/s) or null, found {r!r}")
         if self.optimizer not in OPTIMIZER_PLACEMENTS:
             raise ValueError(f"memory.optimizer: expected one of {list(OPTIMIZER_PLACEMENTS)}, found {self.optimizer!r}")

@@ -41,8 +41,10 @@ class Store(Protocol):
     def use(self, op_id: str, mutates: bool) -> None:
         """The op is about to be used: resident and pinned until ``release_step``."""
 
-    def prefetch(self, upcoming: Sequence[Collection[str]]) -> None:
-        """The op sets of the coming steps, the step about to run first."""
+    def prefetch(self, upcoming: Sequence[Collection[str]],
+                 host_budget: Sequence[float | None] | None = None) -> None:
+        """The op sets of the coming steps, the step about to run first (``host_budget``: per
+        step, the parameters the host may step for it; see :class:`~pipeline.memory.working_set.WorkingSet`)."""
 
     def ensure(self, op_ids: Collection[str]) -> None:
         """Make ``op_ids`` resident and pin them until ``release_step``."""
@@ -98,7 +100,8 @@ class ResidentStore:
 
     def use(self, op_id: str, mutates: bool) -> None: ...
 
-    def prefetch(self, upcoming: Sequence[Collection[str]]) -> None: ...
+    def prefetch(self, upcoming: Sequence[Collection[str]],
+                 host_budget: Sequence[float | None] | None = None) -> None: ...
 
     def ensure(self, op_ids: Collection[str]) -> None:
         self._hits += sum(1 for o in dict.fromkeys(op_ids) if o in self.ops)

@@ -137,10 +137,14 @@ class VirtualStore(WorkingSet):
 
     # -- the step's protocol -----------------------------------------------------------------
     @_timed
-    def prefetch(self, upcoming: Sequence[Collection[str]]) -> None:
+    def prefetch(self, upcoming: Sequence[Collection[str]],
+                 host_budget: Sequence[float | None] | None = None) -> None:
         """Set the known future (op sets of the coming steps, the step about to run first) and
-        start fetching it in the background as far as the budget allows."""
+        start fetching it in the background as far as the budget allows. ``host_budget``: per
+        coming step, the parameters the host may step for it (hybrid placement; None: no limit)."""
         self.future = [frozenset(s) for s in upcoming]
+        budget = list(host_budget) if host_budget is not None else []
+        self.host_budget = (budget + [None] * len(self.future))[: len(self.future)]
         self.running = 0
         self._pump()
 
@@ -282,6 +286,8 @@ class VirtualStore(WorkingSet):
             self.in_use.difference_update(ops)
         if advance and done < len(self.future):
             self.future.pop(done)
+            if done < len(self.host_budget):
+                self.host_budget.pop(done)
         self.running = in_flight
         self._pump()
         return self.counters.end_step(self.arena.used)

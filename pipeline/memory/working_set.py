@@ -45,6 +45,9 @@ class WorkingSet:
         self.counters = Counters(self.arena.capacity)
         self.ops: dict[str, OpPlacement] = {}
         self.future: list[frozenset[str]] = []
+        # hybrid: per future entry, the parameters the host may still step for it (None: no limit;
+        # memory.host_update_rate times the entry's estimated compute here)
+        self.host_budget: list[float | None] = []
         self.running = 0  # the future's first entries that are subnets in flight (their ops pinned)
         self.pinned: set[str] = set()  # needed by the current step
         self.in_use: set[str] = set()  # handed out this step: in an autograd graph, must not move
@@ -100,12 +103,19 @@ class WorkingSet:
         if self.hybrid and rec.state == HOST:
             extra = rec.layout.nbytes - rec.layout.weights_nbytes
             together = sum(self.ops[o].nbytes for o in step_ops if o in self.ops and o != rec.op_id) + rec.nbytes
-            if together + extra <= self.arena.capacity and self._keeps_state(rec.op_id, idx):
+            params = sum(p.numel() for p in rec.params)
+            budget = self.host_budget[idx] if idx < len(self.host_budget) else None
+            over = budget is not None and budget < params  # the host cannot step it in time
+            if together + extra <= self.arena.capacity and (over or self._keeps_state(rec.op_id, idx)):
                 rec.set_host_update(False)
                 off = self._make_room(rec, limit, keep, soft=True)
                 if off is not None:
                     return off
             rec.set_host_update(True)
+            off = self._make_room(rec, limit, keep)
+            if off is not None and budget is not None:
+                self.host_budget[idx] = budget - params
+            return off
         return self._make_room(rec, limit, keep)
 
     def _make_room(self, rec: OpPlacement, limit: float | None, keep: Collection[str] = (),
