@@ -466,13 +466,10 @@ class _Inbox:
         return got.pop(w)
 
 
-def _compute_s(plan, stage: int, microbatches: int) -> float | None:
+def _compute_s(plan: Plan, stage: int, microbatches: int) -> float:
     """A subnet's estimated compute on ``stage`` (its ``microbatches`` forwards and backwards):
-    what the tensor manager's host may step its ops in (``memory.host_update_rate``)."""
-    work = getattr(plan, "work", None)
-    if work is not None:
-        return microbatches * (work.fwd[stage] + work.bwd[stage])
-    partition = getattr(plan, "partition", None)
-    if partition is None or stage >= len(partition.stage_times):
-        return None
-    return microbatches * partition.stage_times[stage]
+    what the tensor manager's host may step its ops in (``memory.host_update_rate``). A flushed
+    step's plan has no cross-subnet work: its partition's per-micro-batch stage time then."""
+    if plan.work is not None:
+        return microbatches * (plan.work.fwd[stage] + plan.work.bwd[stage])
+    return microbatches * plan.partition.stage_times[stage]

@@ -103,8 +103,8 @@ class WorkingSet:
         if self.hybrid and rec.state == HOST:
             extra = rec.layout.nbytes - rec.layout.weights_nbytes
             together = sum(self.ops[o].nbytes for o in step_ops if o in self.ops and o != rec.op_id) + rec.nbytes
-            params = sum(p.numel() for p in rec.params)
             budget = self.host_budget[idx] if idx < len(self.host_budget) else None
+            params = 0 if budget is None else sum(p.numel() for p in rec.params)
             over = budget is not None and budget < params  # the host cannot step it in time
             if together + extra <= self.arena.capacity and (over or self._keeps_state(rec.op_id, idx)):
                 rec.set_host_update(False)

@@ -166,7 +166,8 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
         if weights is not None and not 0 <= weights.get(op, -1) <= sizes[op]:
             raise StageResidencyError(f"weights: expected op {op!r}'s weight bytes, at most its sizes entry "
                                       f"({sizes[op]}), found {weights.get(op)!r}")
-    at = {t: i for i, t in enumerate(order)}
+    at = {t: i for i, t in enumerate(order)}  # a subnet's place in this stage's order
+    positions_set = {op: set(ps) for op, ps in positions.items()}  # (hybrid: is an op's next subnet a user)
     # ownership: ops arrive with a subnet's first forward, leave after an update here
     arrive: dict[int, list[str]] = {}
     leave: dict[int, list[str]] = {}
@@ -290,8 +291,6 @@ def plan_stage(schedule: Schedule, stage: int, sizes: Mapping[str, int], capacit
                     return  # full of ops needed no later than this one
                 place(op, t, victims, ev, n)
                 ahead.add(op)
-
-    positions_set = {op: set(ps) for op, ps in positions.items()}
 
     def close(kind: str, t: int | None, a: Action | None, ev: _Event, **kw) -> None:
         totals["peak"] = max(totals["peak"], ev.peak, used)
