@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,10 +62,13 @@ def one_run(cmd: list[str], run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "search", *cmd, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env(),
                        capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        return {"failed": (p.stderr.strip().splitlines() or ["?"])[-1][-400:]}
-    summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(ln)["seconds"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    try:
+        if p.returncode != 0:
+            return {"failed": (p.stderr.strip().splitlines() or ["?"])[-1][-400:]}
+        summary = json.loads((run_dir / "summary.json").read_text())
+        steps = [json.loads(ln)["seconds"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    finally:  # a run's checkpoint is the whole supernet (4 GB at width 1024): 14 runs filled a 64 GB disk
+        shutil.rmtree(run_dir, ignore_errors=True)
     mem = summary.get("memory") or {}
     return {"train_time_s": summary["train_time_s"], "wall_s": round(time.perf_counter() - t0, 1),
             "step_s": statistics.median(steps[len(steps) // 4:]), "params_digest": summary["params_digest"],

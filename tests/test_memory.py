@@ -731,3 +731,40 @@ def test_the_host_update_rate_names_the_field() -> None:
     for bad in (0, -1.0, float("inf"), "fast", True):
         with pytest.raises(ValueError, match=r"memory\.host_update_rate: expected a positive number"):
             MemorySettings(host_update_rate=bad)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_updates_at_home_run_beside_training_and_are_waited_for(threads: int, no_static_check,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory.host_update_threads: the host's updates run on their own threads (none: on the
+    training thread) while training goes on; each is slowed here so that the op's next fetch,
+    the evaluation and the export find it still running and must wait for it: the same bits."""
+    import threading
+    import time
+
+    seen = []
+    real = TensorManager._step_at_home
+
+    def slow(self, op_id, grads, lr):
+        seen.append(threading.current_thread().name)
+        time.sleep(0.01)
+        real(self, op_id, grads, lr)
+
+    monkeypatch.setattr(TensorManager, "_step_at_home", slow)
+    ref = reference("transformer", "adamw")
+    mem = MemorySettings(device_budget_bytes=tight_budget("transformer", "adamw"), optimizer="host",
+                         host_update_threads=threads)
+    got = run("transformer", "adamw", mem, audit=True)
+    for key in ("losses", "mb", "eval", "digest"):
+        assert got[key] == ref[key], f"{key} differs with {threads} host-update threads"
+    assert seen and all(n.startswith("pipenas-host-update") == (threads > 0) for n in seen), set(seen)
+
+
+def test_host_update_threads_default_to_this_process_share_of_the_cores() -> None:
+    from pipeline.memory.host_updates import auto_threads
+
+    assert [auto_threads(c, 1) for c in (1, 2, 4, 16, 64)] == [1, 1, 3, 8, 8]
+    assert [auto_threads(16, n) for n in (2, 4, 8)] == [7, 3, 1]
+    for bad in (-1, 1.5, "two", True):
+        with pytest.raises(ValueError, match=r"memory\.host_update_threads: expected an integer >= 0 or null"):
+            MemorySettings(host_update_threads=bad)

@@ -15,6 +15,8 @@ same bits.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
@@ -65,6 +67,7 @@ class TensorManager:
         self._state_keys = optim_state_keys(optim.name, optim.momentum)
         self._store: Store = make_store(self.memory, self.device, self._state_keys)
         self._group = OptimGroup(optim, self.device)
+        self._home_groups = threading.local()  # per host-update thread, its optimizer group
         for op_id in own:
             self.create(op_id)
 
@@ -191,8 +194,20 @@ class TensorManager:
         device; its update runs on its host home."""
         op_ids = list(dict.fromkeys(op_ids))
         stepped = self._store.prepare_step(op_ids)
-        fresh = self._group.step([(o, self._optims[o]) for o in op_ids], lr)
-        self._store.finish_step(stepped, fresh)
+        home = self._store.updating_home()
+        fresh = self._group.step([(o, self._optims[o]) for o in op_ids if o not in home], lr)
+        self._store.finish_step(stepped, fresh, functools.partial(self._step_at_home, lr=lr) if home else None)
+
+    def _step_at_home(self, op_id: str, grads: Sequence[torch.Tensor | None], lr: float) -> None:
+        """One op's optimizer step in its host home with ``grads`` (per parameter; on a
+        host-update thread: each thread its own optimizer group, built as the device's is, so the
+        arithmetic is the same; the parameters' ``.grad`` stay the training thread's)."""
+        group = getattr(self._home_groups, "group", None)
+        if group is None:
+            group = self._home_groups.group = OptimGroup(self.optim, self._group.device)
+        opt = self._optims[op_id]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        group.step_apart([(opt, p, g) for p, g in zip(params, grads) if g is not None], lr)
 
     def zero_grad(self, op_ids: Iterable[str] | None = None) -> None:
         """Drop the gradients of ``op_ids`` (default: of every op this process owns)."""

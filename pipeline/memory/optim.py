@@ -135,3 +135,26 @@ class OptimGroup:
         for p in params:
             p.grad = None
         return fresh
+
+    def step_apart(self, items: Sequence[tuple[torch.optim.Optimizer, nn.Parameter, torch.Tensor]], lr: float) -> None:
+        """Step each ``(optimizer, parameter, gradient)`` at ``lr`` as :meth:`step` would with that
+        gradient in ``.grad``, without touching the parameters' ``.grad`` (another thread may be
+        using them): the optimizer sees an alias of each parameter (the same storage, so the update
+        lands in it) over the parameter's own state dict, which it fills in place."""
+        if not items:
+            return
+        params, state = [], {}
+        for opt, p, g in items:
+            alias = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            alias.grad = g
+            state[alias] = opt.state[p]  # (a defaultdict: an empty dict on the first step, filled in place)
+            params.append(alias)
+        if self._group is None:
+            self._group = self.config.build([nn.Parameter(torch.zeros(0, device=self.device))])
+        group = self._group
+        group.param_groups[0]["params"], group.param_groups[0]["lr"] = params, lr
+        group.state = state
+        try:
+            eager.step(group)
+        finally:
+            group.param_groups[0]["params"], group.state = [], {}

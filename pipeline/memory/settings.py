@@ -32,6 +32,9 @@ host's way otherwise; the state comes along only where the arena has room for it
 runs at ``host``'s budget). ``hybrid`` is the default: simulated on NASPipe's space
 (``bench/vtm.py``, bench/RESULTS.md) it is at least the better of the other two in all 28 settings
 (0.81-1.00x of all-resident, against 0.61-0.99 for ``device`` and 0.48-0.98 for ``host``).
+``host_update_threads``: the threads that run the host's updates (:mod:`pipeline.memory.host_updates`)
+while the training thread goes on; ``0`` runs them on the training thread; ``null`` (the default)
+one per core this process may use (its share under torchrun), less one, at most 8.
 ``cpu_copies`` (CPU only): ``inline`` (the default) copies on the calling thread, ``thread`` on a
 background thread, the CPU stand-in for a CUDA side stream (the same control flow: handles
 waited on before use, copies in order). On a CPU both tiers are host memory, so there is no
@@ -72,6 +75,7 @@ class MemorySettings:
     optimizer: str = "hybrid"
     cpu_copies: str = "inline"
     host_update_rate: float | None = None  # hybrid: parameters/s the host steps; null: no limit
+    host_update_threads: int | None = None  # threads stepping ops at home; 0: on the training thread; null: auto
 
     @property
     def state_can_stay_home(self) -> bool:
@@ -130,5 +134,9 @@ class MemorySettings:
         r = self.host_update_rate
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf")):
             raise ValueError(f"memory.host_update_rate: expected a positive number (parameters/s) or null, found {r!r}")
+        t = self.host_update_threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise ValueError(f"memory.host_update_threads: expected an integer >= 0 or null (one per core this "
+                             f"process may use, less one, at most 8), found {t!r}")
         if self.optimizer not in OPTIMIZER_PLACEMENTS:
             raise ValueError(f"memory.optimizer: expected one of {list(OPTIMIZER_PLACEMENTS)}, found {self.optimizer!r}")

@@ -7,7 +7,7 @@ bounded device arena). :func:`make_store` picks one from the settings.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -52,8 +52,15 @@ class Store(Protocol):
     def prepare_step(self, op_ids: Sequence[str]) -> list[str]:
         """Before the optimizer step of ``op_ids``; returns those that take a step."""
 
-    def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = ()) -> None:
-        """After it: ``stepped`` took a step, ``fresh`` got its first optimizer state."""
+    def updating_home(self) -> frozenset[str]:
+        """After ``prepare_step``: the ops whose update runs in their host home (the caller
+        steps the others)."""
+
+    def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = (),
+                    host_step: Callable[[str, list], None] | None = None) -> None:
+        """After the others' step: ``stepped`` took a step, ``fresh`` got its first optimizer
+        state; ``host_step(op_id, grads)`` steps each op of ``updating_home`` with the gradients
+        the store takes off its parameters (the store runs it, maybe on another thread)."""
 
     def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0,
                      in_flight: int = 0) -> MemoryStats:
@@ -109,7 +116,11 @@ class ResidentStore:
     def prepare_step(self, op_ids: Sequence[str]) -> list[str]:
         return list(op_ids)
 
-    def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = ()) -> None:
+    def updating_home(self) -> frozenset[str]:
+        return frozenset()
+
+    def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = (),
+                    host_step: Callable[[str, list], None] | None = None) -> None:
         for op_id in fresh:
             self._bytes.pop(op_id, None)  # state created now: the op takes more bytes
 

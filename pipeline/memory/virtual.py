@@ -16,7 +16,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,23 @@ def _timed(fn):
                 self._depth = 0
 
     return wrapper
+
+
+def _home_update(rec: OpPlacement, host_step: Callable[[str, list], None]) -> Callable[[], None]:
+    """An op's update at home, as one job: its optimizer step with the gradients it has now
+    (taken off its parameters: the job owns them), then optimizer state that torch created
+    lazily (its first step) into the home's slots."""
+    grads = []
+    for p in rec.params:
+        grads.append(p.grad)
+        p.grad = None
+
+    def run() -> None:
+        host_step(rec.op_id, grads)
+        if not rec.settled:
+            rec.settle(rec.host, 0)
+
+    return run
 
 
 class VirtualStore(WorkingSet):
@@ -110,6 +127,7 @@ class VirtualStore(WorkingSet):
     @_timed
     def remove(self, op_id: str) -> None:
         """Forget an op (after :meth:`export`); its arena region is freed."""
+        self.host_updates.wait(op_id)
         rec = self.ops.pop(op_id)
         if rec.state != HOST and rec.nbytes:
             self._complete(rec)
@@ -123,6 +141,7 @@ class VirtualStore(WorkingSet):
         date, host tensors that ``torch.save`` accepts) or, for an op given up, views of where it
         lives: its arena region while resident (it leaves from the device: no write-back, and
         under NCCL no host copy on either side of a move) or else its home."""
+        self.host_updates.wait(op_id)
         rec = self.ops[op_id]
         if rec.state == FETCHING:
             self._complete(rec)
@@ -173,6 +192,7 @@ class VirtualStore(WorkingSet):
             else:
                 self.counters.add(misses=1)
                 waited = True
+                self.host_updates.wait(o)  # its update at home is over before it is placed again
                 self._start_fetch(rec, self._place(rec, 0, limit=None, step_ops=together))
             self.ahead.discard(o)
         for o in fresh:
@@ -219,15 +239,25 @@ class VirtualStore(WorkingSet):
                 stepped.append(op_id)
         return stepped
 
+    def updating_home(self) -> frozenset[str]:
+        """The ops of the step being prepared whose update runs on the host (after
+        :meth:`prepare_step`): :meth:`finish_step` hands them to ``host_step``."""
+        return frozenset(self._updating_home)
+
     @_timed
-    def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = ()) -> None:
-        """After the step: the ops' state changed (dirty on the device), and optimizer state torch
-        created lazily (``fresh``: the first step) moves into its slots."""
+    def finish_step(self, stepped: Sequence[str], fresh: Sequence[str] = (),
+                    host_step: Callable[[str, list], None] | None = None) -> None:
+        """After the device's part of the step: the ops' state changed (dirty on the device), and
+        optimizer state torch created lazily (``fresh``: the first step) moves into its slots.
+        The ops updated at home (:meth:`updating_home`) get their update now: ``host_step(op_id,
+        grads)`` (their optimizer step with the gradients taken off their parameters) on the
+        host-update threads, then their new state into its slots."""
         for op_id in stepped:
             rec = self.ops[op_id]
             if op_id in self._updating_home:
-                if not rec.settled:
-                    rec.settle(rec.host, 0)
+                if host_step is None:
+                    raise RuntimeError(f"op {op_id!r} is updated at home, but no host step was given")
+                self.host_updates.submit(op_id, _home_update(rec, host_step))
                 continue
             rec.dirty = True
             if not rec.settled and rec.nbytes:
@@ -257,6 +287,8 @@ class VirtualStore(WorkingSet):
                 host_g.copy_(g)  # synchronous: the update reads it at once
                 self.counters.add(written_back_bytes=host_g.nbytes)
                 g = host_g
+            elif g is not None and self.host_updates.threads:
+                g = g.clone()  # the update runs later: a buffer of the replicas' reduction may be reused by then
             grads.append(g)
             p.grad = None  # the device gradient is freed before the parameter moves home
         if rec.nbytes and rec.state != HOST:
@@ -302,9 +334,13 @@ class VirtualStore(WorkingSet):
 
     @_timed
     def audit(self) -> MemoryAudit:
+        self.host_updates.wait_all()  # (an update at home may still be settling its state)
         return audit(self.ops.values(), self.arena)
 
     @_timed
     def close(self) -> None:
-        self._drain()
-        self.copier.close()
+        try:
+            self.host_updates.close()
+        finally:
+            self._drain()
+            self.copier.close()

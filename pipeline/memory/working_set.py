@@ -22,6 +22,7 @@ from ..plan.hybrid import REUSE_NEXT, op_runs
 from .arena import Arena
 from .copies import Handle, make_copier
 from .errors import fragmented_error
+from .host_updates import HostUpdates, auto_threads
 from .placement import FETCHING, HOST, RESIDENT, OpPlacement
 from ..plan.policy import Candidate, policy_named
 from .settings import MemorySettings
@@ -42,6 +43,8 @@ class WorkingSet:
         self.align = alignment_for(device)
         self.arena = Arena(settings.budget_for(device), device, self.align)
         self.copier = make_copier(device, settings.cpu_copies)
+        threads = settings.host_update_threads
+        self.host_updates = HostUpdates(auto_threads() if threads is None else threads)  # updates at home in flight
         self.counters = Counters(self.arena.capacity)
         self.ops: dict[str, OpPlacement] = {}
         self.future: list[frozenset[str]] = []
@@ -170,6 +173,7 @@ class WorkingSet:
 
     # -- copies -------------------------------------------------------------------------------
     def _start_fetch(self, rec: OpPlacement, off: int) -> None:
+        self.host_updates.wait(rec.op_id)  # (the copy reads the home that the update writes)
         rec.offset = off
         rec.state = FETCHING
         rec.fetch = self.copier.copy(self.arena.buffer[off : off + rec.nbytes], rec.host[: rec.nbytes])
@@ -241,8 +245,8 @@ class WorkingSet:
         for idx, ops in enumerate(horizon):
             for op_id in sorted(ops):
                 rec = self.ops.get(op_id)
-                if rec is None or rec.state != HOST or rec.nbytes == 0:
-                    continue
+                if rec is None or rec.state != HOST or rec.nbytes == 0 or self.host_updates.pending(op_id):
+                    continue  # (an op still updated at home is fetched once that is over)
                 if len(self.in_flight) >= self.settings.max_in_flight:
                     self._blocked = True
                     return
