@@ -20,6 +20,7 @@ checks the script on a CPU.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -85,7 +86,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--over", type=float, nargs="+", default=[4.0, 8.0], help="over-subscriptions (budget = state / over)")
-    ap.add_argument("--placements", nargs="+", default=["device", "hybrid", "host"])
+    ap.add_argument("--placements", nargs="+", default=["device", "hybrid", "host"],
+                    help="memory.optimizer values, each optionally with more overrides in the same quoted argument "
+                         "(e.g. 'hybrid memory.host_update_threads=0')")
     ap.add_argument("--extra", nargs="*", default=[], metavar="OVERRIDE", help="overrides for every run")
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
@@ -94,12 +97,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-cuda-placements-"))
     cells = [(over, pl) for over in a.over for pl in a.placements]
     runs: dict[tuple, list[dict]] = {}
+    serial = itertools.count()
     for r in range(a.rounds):
         order = [("resident", None), *(cells if r % 2 == 0 else cells[::-1])]
         for over, pl in order:
+            name, *more = (pl or "resident").split()
             cmd = list(base) if pl is None else [*base, f"memory.device_budget_bytes={int(state / over)}",
-                                                 f"memory.optimizer={pl}"]
-            res = one_run(cmd, tmp / f"r{r}-{pl}-{over}")
+                                                 f"memory.optimizer={name}", *more]
+            res = one_run(cmd, tmp / f"run{next(serial)}")
             key = ("resident", None) if pl is None else (pl, over)
             runs.setdefault(key, []).append(res)
             print(json.dumps({"kind": "run", "round": r, "placement": key[0], "over": key[1], "op_state_bytes": state,
