@@ -72,7 +72,8 @@ def one_run(cmd: list[str], run_dir: Path) -> dict[str, Any]:
         shutil.rmtree(run_dir, ignore_errors=True)
     mem = summary.get("memory") or {}
     return {"train_time_s": summary["train_time_s"], "wall_s": round(time.perf_counter() - t0, 1),
-            "step_s": statistics.median(steps[len(steps) // 4:]), "params_digest": summary["params_digest"],
+            "step_s": statistics.median(steps[len(steps) // 4:]), "steps_s": [round(x, 4) for x in steps],
+            "params_digest": summary["params_digest"],
             **{k: mem.get(k) for k in ("hit_rate", "stall_s", "fetched_bytes", "written_back_bytes",
                                        "resident_bytes_peak", "late", "misses")}}
 
