@@ -24,12 +24,13 @@ def optim_of(name: str) -> OptimConfig:
     return OptimConfig(name=name, lr=0.05 if name == "sgd" else 3e-3, momentum=0.9, weight_decay=1e-4, nesterov=True)
 
 
-def run(space: str, optim: str, memory: MemorySettings | None, steps: int = STEPS, audit: bool = False) -> dict:
+def run(space: str, optim: str, memory: MemorySettings | None, steps: int = STEPS, audit: bool = False,
+        shared_ops: str = "exact") -> dict:
     """Train ``steps`` steps through the reference engine as the app does (lookahead of 2),
     evaluate one arch; with ``audit`` check the device tier inside every step and after it."""
     graph = build_graph(space)
     engine = ReferenceEngine(graph, 0, optim_of(optim), 4, LrSchedule(optim_of(optim).lr, steps, "cosine", 1),
-                             "cpu", memory=memory)
+                             "cpu", memory=memory, shared_ops=shared_ops)
     archs = arch_stream(graph, 0, steps + 1)
     tm = engine.tensors
     audits, steps_stats = [], []
@@ -733,12 +734,13 @@ def test_the_host_update_rate_names_the_field() -> None:
             MemorySettings(host_update_rate=bad)
 
 
-@pytest.mark.parametrize("threads", [0, 2])
-def test_updates_at_home_run_beside_training_and_are_waited_for(threads: int, no_static_check,
+@pytest.mark.parametrize("threads, shared_ops", [(0, "exact"), (2, "exact"), (2, "delayed")])
+def test_updates_at_home_run_beside_training_and_are_waited_for(threads: int, shared_ops: str, no_static_check,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """memory.host_update_threads: the host's updates run on their own threads (none: on the
     training thread) while training goes on; each is slowed here so that the op's next fetch,
-    the evaluation and the export find it still running and must wait for it: the same bits."""
+    the evaluation and the export find it still running and must wait for it: the same bits
+    (delayed shared ops too: their new version is kept right after the update)."""
     import threading
     import time
 
@@ -751,10 +753,11 @@ def test_updates_at_home_run_beside_training_and_are_waited_for(threads: int, no
         real(self, op_id, grads, lr)
 
     monkeypatch.setattr(TensorManager, "_step_at_home", slow)
-    ref = reference("transformer", "adamw")
+    ref = reference("transformer", "adamw") if shared_ops == "exact" else run("transformer", "adamw", None,
+                                                                             shared_ops=shared_ops)
     mem = MemorySettings(device_budget_bytes=tight_budget("transformer", "adamw"), optimizer="host",
                          host_update_threads=threads)
-    got = run("transformer", "adamw", mem, audit=True)
+    got = run("transformer", "adamw", mem, audit=True, shared_ops=shared_ops)
     for key in ("losses", "mb", "eval", "digest"):
         assert got[key] == ref[key], f"{key} differs with {threads} host-update threads"
     assert seen and all(n.startswith("pipenas-host-update") == (threads > 0) for n in seen), set(seen)
