@@ -771,3 +771,23 @@ def test_host_update_threads_default_to_this_process_share_of_the_cores() -> Non
     for bad in (-1, 1.5, "two", True):
         with pytest.raises(ValueError, match=r"memory\.host_update_threads: expected an integer >= 0 or null"):
             MemorySettings(host_update_threads=bad)
+
+
+def test_a_failed_host_update_is_raised_with_its_op_when_the_op_is_next_needed() -> None:
+    from pipeline.memory.host_updates import HostUpdates
+
+    for threads in (0, 1):
+        hu = HostUpdates(threads)
+
+        def boom() -> None:
+            raise ValueError("no room")
+
+        if threads == 0:  # on the training thread: at once
+            with pytest.raises(ValueError, match="no room"):
+                hu.submit("l0/a", boom)
+            continue
+        hu.submit("l0/a", boom)
+        with pytest.raises(RuntimeError, match=r"host's optimizer update of op 'l0/a' failed: ValueError: no room"):
+            hu.wait("l0/a")
+        assert not hu.pending("l0/a") and not hu.wait("l0/a")  # reported once
+        hu.close()

@@ -66,7 +66,11 @@ class HostUpdates:
         if f is None:
             return False
         waited = not f.done()
-        f.result()
+        try:
+            f.result()
+        except Exception as e:
+            raise RuntimeError(f"memory: the host's optimizer update of op {op_id!r} failed: "
+                               f"{type(e).__name__}: {e}") from e
         return waited
 
     def wait_all(self) -> None:
