@@ -123,15 +123,7 @@ class OptimGroup:
             params += with_grad
         if not params:
             return fresh
-        if self._group is None:
-            self._group = self.config.build([nn.Parameter(torch.zeros(0, device=self.device))])
-        group = self._group
-        group.param_groups[0]["params"], group.param_groups[0]["lr"] = params, lr
-        group.state = state
-        try:
-            eager.step(group)  # group.step(); in the app's processes without torch._dynamo (pipeline/eager.py)
-        finally:
-            group.param_groups[0]["params"], group.state = [], {}
+        self._run(params, state, lr)
         for p in params:
             p.grad = None
         return fresh
@@ -149,12 +141,16 @@ class OptimGroup:
             alias.grad = g
             state[alias] = opt.state[p]  # (a defaultdict: an empty dict on the first step, filled in place)
             params.append(alias)
+        self._run(params, state, lr)
+
+    def _run(self, params: list[nn.Parameter], state: dict, lr: float) -> None:
+        """One optimizer call over ``params`` with their ``state`` dicts at ``lr``."""
         if self._group is None:
             self._group = self.config.build([nn.Parameter(torch.zeros(0, device=self.device))])
         group = self._group
         group.param_groups[0]["params"], group.param_groups[0]["lr"] = params, lr
         group.state = state
         try:
-            eager.step(group)
+            eager.step(group)  # group.step(); in the app's processes without torch._dynamo (pipeline/eager.py)
         finally:
             group.param_groups[0]["params"], group.state = [], {}
