@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"], choices=["sgd", "adamw"])
     ap.add_argument("--windows", type=int, nargs="*", default=[2, 3],
                     help="windows to run besides the one issue 15's rule picks (delay = window - 1)")
-    ap.add_argument("--arena-subnets", type=float, nargs="+", default=[2.0, 2.5, 2.75, 3.0, 4.0],
+    ap.add_argument("--arena-subnets", type=float, nargs="+", default=[1.8, 1.9, 2.0, 2.25, 2.5, 2.75, 3.0, 4.0],
                     help="the arena gets at least this many times the stage's largest subnet state before the "
                          "activations are kept whole; each is tried (first variant) and the fastest kept")
     ap.add_argument("--no-what-ifs", action="store_true",
