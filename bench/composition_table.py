@@ -62,15 +62,16 @@ def run(cmd: list[str], run_dir: Path) -> tuple[int, float, str]:
     return p.returncode, time.perf_counter() - t0, tail
 
 
-def op_state_bytes(space: str) -> int:
-    """The supernet's op state (weights, buffers, optimizer state) under the app's settings."""
+def op_state_bytes(space: str, extra: Sequence[str] = ()) -> int:
+    """The supernet's op state (weights, buffers, optimizer state) under the app's settings
+    (``extra``: more overrides, e.g. the space's options and the data's shape)."""
     from hydra import compose, initialize_config_dir
 
     from pipeline.memory import TensorManager
     from search.config import build_data, build_space, load_config
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        rc = load_config(compose("config", overrides=[f"space={space}"]))
+        rc = load_config(compose("config", overrides=[f"space={space}", *extra]))
     data = build_data(rc.data)
     graph = build_space(rc.space, data.input_shape, data.num_classes)
     tm = TensorManager(graph, rc.seed, rc.train.optimizer)

@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.composition_table import env  # noqa: E402
+from bench.composition_table import env, op_state_bytes  # noqa: E402
 
 
 def space_args(a: argparse.Namespace) -> list[str]:
@@ -43,20 +43,6 @@ def space_args(a: argparse.Namespace) -> list[str]:
             f"train.batch_size={a.batch}", "search=none", "sampler=fair", f"train.steps={a.steps}",
             "train.warmup_steps=2", "train.checkpoint_every=0", "train.monitor_every=0", "train.tensorboard=false",
             "pipeline.window=4", "pipeline.shared_ops=delayed", f"device={a.device}"]
-
-
-def op_state_bytes(overrides: list[str]) -> int:
-    """The supernet's op state (weights, buffers, AdamW state) under these settings."""
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.memory import TensorManager
-    from search.config import build_data, build_space, load_config
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        rc = load_config(compose("config", overrides=[o for o in overrides if not o.startswith("device=")]))
-    data = build_data(rc.data)
-    graph = build_space(rc.space, data.input_shape, data.num_classes)
-    return TensorManager(graph, rc.seed, rc.train.optimizer).footprint(slot.op_id for slot in graph.slots())
 
 
 def one_run(cmd: list[str], run_dir: Path) -> dict[str, Any]:
@@ -94,7 +80,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     base = [*space_args(a), *a.extra]
-    state = op_state_bytes(base)
+    state = op_state_bytes("transformer", [o for o in base if not o.startswith(("space=", "device="))])
     tmp = Path(tempfile.mkdtemp(prefix="pipenas-cuda-placements-"))
     cells = [(over, pl) for over in a.over for pl in a.placements]
     runs: dict[tuple, list[dict]] = {}

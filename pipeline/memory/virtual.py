@@ -192,7 +192,6 @@ class VirtualStore(WorkingSet):
             else:
                 self.counters.add(misses=1)
                 waited = True
-                self.host_updates.wait(o)  # its update at home is over before it is placed again
                 self._start_fetch(rec, self._place(rec, 0, limit=None, step_ops=together))
             self.ahead.discard(o)
         for o in fresh:

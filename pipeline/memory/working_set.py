@@ -102,7 +102,9 @@ class WorkingSet:
                step_ops: Collection[str] = ()) -> int | None:
         """Place ``rec`` for its use at future index ``idx`` (:meth:`_make_room`); with the hybrid
         placement, with its optimizer state when the rule says so and room allows (the ops of
-        its step, ``step_ops``, must still fit together), else without."""
+        its step, ``step_ops``, must still fit together), else without. An op still updated at
+        home is placed once that update is over (its placement and the copy of its home follow)."""
+        self.host_updates.wait(rec.op_id)
         if self.hybrid and rec.state == HOST:
             extra = rec.layout.nbytes - rec.layout.weights_nbytes
             together = sum(self.ops[o].nbytes for o in step_ops if o in self.ops and o != rec.op_id) + rec.nbytes
@@ -173,7 +175,6 @@ class WorkingSet:
 
     # -- copies -------------------------------------------------------------------------------
     def _start_fetch(self, rec: OpPlacement, off: int) -> None:
-        self.host_updates.wait(rec.op_id)  # (the copy reads the home that the update writes)
         rec.offset = off
         rec.state = FETCHING
         rec.fetch = self.copier.copy(self.arena.buffer[off : off + rec.nbytes], rec.host[: rec.nbytes])
