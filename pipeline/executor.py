@@ -35,7 +35,9 @@ An evaluation (:meth:`StageExecutor.evaluate`) runs the forward-only schedule
 (:func:`~pipeline.plan.schedule.forward_only`) through the same executor: its batches may have
 any size, so its messages describe themselves; batch norm is recalibrated on the calibration
 batches first (train-mode forwards) and restored afterwards; the last stage sums loss, correct
-answers and count on the device and broadcasts them.
+answers and count on the device and broadcasts them. With replicas each replica's pipeline
+evaluates its share of the batches, and the last stages combine one row per batch exactly
+(:meth:`pipeline.replicas.ReplicaReducer.combine_rows`) before that sum.
 """
 from __future__ import annotations
 
@@ -303,32 +305,44 @@ class StageExecutor:
         the evaluation's channel (not the schedule's, whose next receives may be posted)."""
         last, me, tr, module = num_stages - 1, self.rank, transport, self.tensors.module
 
-        def stream(batches: list, training: bool, on_output) -> None:
+        def stream(batches: list, training: bool, on_output, index: Sequence[int]) -> None:
+            """Forward ``batches`` (their indices among the evaluation's: ``index``) through the stages."""
             if not batches:
                 return
             for action in forward_only(num_stages, len(batches)).actions[me]:
                 with self.failures.failing(-1, action):
                     m = action.microbatch
                     inputs = [batches[m][0]] if me == 0 else tr.recv(me - 1)[0]
-                    outs = SliceRun(mine, module, op_contexts(self.seed, -1, m, training)).forward(inputs, grad=False)
+                    outs = SliceRun(mine, module, op_contexts(self.seed, -1, index[m], training)).forward(inputs, grad=False)
                     if me == last:
                         if on_output is not None:
-                            on_output(outs[0], batches[m][1])
+                            on_output(m, outs[0], batches[m][1])
                     else:
                         tr.send(outs, me + 1)
             tr.flush()
 
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # with replicas each replica's pipeline scores its share of the batches (round-robin) and
+        # the last stages exchange one row per batch: every batch's row comes from one replica,
+        # -0.0 from the others (x + -0.0 is x for every x), so the sum is that row exactly; then
+        # summed in batch order as one pipeline sums them (the same bits). Batch norm is
+        # recalibrated on every replica alike.
+        share = self.reducer.share(len(batches)) if self.reducer is not None else range(len(batches))
+        rows = torch.full((len(batches), 3), -0.0, dtype=torch.float64, device=self.device)
 
-        def score(out: torch.Tensor, y: torch.Tensor) -> None:
-            totals[0] += classification_loss(out, y, 1)
-            totals[1] += (out.argmax(-1) == y).sum()
-            totals[2] += y.shape[0]
+        def score(m: int, out: torch.Tensor, y: torch.Tensor) -> None:
+            rows[share[m], 0] = classification_loss(out, y, 1)
+            rows[share[m], 1] = (out.argmax(-1) == y).sum()
+            rows[share[m], 2] = y.shape[0]
 
         with recalibrated_bn([module(op.op_id) for op in mine.ops] if calib else []):
-            stream(calib, True, None)
-            stream(batches, False, score)
+            stream(calib, True, None, range(len(calib)))
+            stream([batches[i] for i in share], False, score, share)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         with self.failures.failing(-1, "result"):
+            if me == last and self.reducer is not None:
+                self.reducer.combine_rows(rows)
+            for row in rows:  # (in batch order, as one pipeline adds them)
+                totals += row
             src = tr.global_rank(last)
             with (peer_errors("receiving the evaluation's result from", src) if me != last
                   else peer_errors("sending the evaluation's result to the other stages")):

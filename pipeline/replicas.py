@@ -422,6 +422,19 @@ class ReplicaReducer:
             return losses
         return self.reduce(modules, losses)  # the losses ride along the chain: no collective of their own
 
+    def share(self, n: int) -> range:
+        """This replica's share of an evaluation's ``n`` batches: round-robin (k, k + R, ...)."""
+        return range(self.mesh.replica, n, self.mesh.replicas)
+
+    def combine_rows(self, rows: torch.Tensor) -> None:
+        """Every replica's rows of an evaluation (one row per batch, filled by the replica that
+        evaluated it, -0.0 elsewhere) on every replica, in place. Exact: each entry is one
+        replica's value plus negative zeros, and x + -0.0 is x for every float x."""
+        peer = self._a_peer()
+        with peer_errors("combining the evaluation's results with", peer):
+            work = dist.all_reduce(rows, group=self.group, async_op=True)
+        wait_for(work, self.transport.timeout, "combining the evaluation's results with", peer)
+
     def gather_losses(self, losses: Sequence[float]) -> tuple[float, ...]:
         """Every replica's micro-batch losses, in global micro-batch order (on every rank)."""
         mine = torch.tensor(list(losses), dtype=torch.float64)
