@@ -763,6 +763,42 @@ def test_updates_at_home_run_beside_training_and_are_waited_for(threads: int, sh
     assert seen and all(n.startswith("pipenas-host-update") == (threads > 0) for n in seen), set(seen)
 
 
+@pytest.mark.parametrize("threads", [0, 2])
+def test_gradients_copied_home_off_the_training_thread_are_waited_for_by_the_update(
+        threads: int, no_static_check, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device gradient of an op updated at home travels on the copier's write-back stream and
+    the training thread goes on; the update waits for the copy. A CPU stand-in: gradients count
+    as device memory here, and the copies run late on the copy thread (``memory.cpu_copies=
+    thread``, each batch slowed), so an update that did not wait would read unwritten memory."""
+    import time
+
+    from pipeline.memory import copies, virtual
+
+    real = copies._run_copies
+
+    def late(batch):
+        time.sleep(0.005)
+        real(batch)
+
+    monkeypatch.setattr(copies, "_run_copies", late)
+    monkeypatch.setattr(virtual, "_in_host_memory", lambda t: False)
+    waited = []
+    done = virtual._GradCopies.done
+
+    def counted(self):
+        waited.append(len(self.handles))
+        done(self)
+
+    monkeypatch.setattr(virtual._GradCopies, "done", counted)
+    ref = reference("transformer", "adamw")
+    mem = MemorySettings(device_budget_bytes=tight_budget("transformer", "adamw"), optimizer="host",
+                         host_update_threads=threads, cpu_copies="thread", host_memory="pageable")
+    got = run("transformer", "adamw", mem, audit=True)
+    for key in ("losses", "mb", "eval", "digest"):
+        assert got[key] == ref[key], f"{key} differs with {threads} host-update threads"
+    assert waited and all(n > 0 for n in waited)
+
+
 def test_host_update_threads_default_to_this_process_share_of_the_cores() -> None:
     from pipeline.memory.host_updates import auto_threads
 

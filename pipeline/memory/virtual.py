@@ -53,16 +53,41 @@ def _timed(fn):
     return wrapper
 
 
-def _home_update(rec: OpPlacement, host_step: Callable[[str, list], None]) -> Callable[[], None]:
-    """An op's update at home, as one job: its optimizer step with the gradients it has now
-    (taken off its parameters: the job owns them), then optimizer state that torch created
-    lazily (its first step) into the home's slots."""
+def _in_host_memory(t: torch.Tensor) -> bool:
+    """Whether a gradient is in host memory already (a CPU tensor), or must be copied there."""
+    return t.device.type == "cpu"
+
+
+class _GradCopies:
+    """An op's gradients on their way to host memory: the copies' handles, and the device
+    gradients they read, kept alive until the copies are done (the caching allocator could
+    otherwise hand their memory to the next kernels while the copy stream still reads it)."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+        self.sources: list[torch.Tensor] = []
+
+    def done(self) -> None:
+        """Block until every copy landed, then let the device gradients go."""
+        for h in self.handles:
+            h.synchronize()
+        self.handles, self.sources = [], []
+
+
+def _home_update(rec: OpPlacement, host_step: Callable[[str, list], None],
+                 copies: _GradCopies | None = None) -> Callable[[], None]:
+    """An op's update at home, as one job: once its gradients' copies to host memory landed
+    (``copies``), its optimizer step with the gradients it has now (taken off its parameters:
+    the job owns them), then optimizer state that torch created lazily (its first step) into
+    the home's slots."""
     grads = []
     for p in rec.params:
         grads.append(p.grad)
         p.grad = None
 
     def run() -> None:
+        if copies is not None:
+            copies.done()
         host_step(rec.op_id, grads)
         if not rec.settled:
             rec.settle(rec.host, 0)
@@ -81,6 +106,7 @@ class VirtualStore(WorkingSet):
         self.state_keys = tuple(state_keys)
         self._tick = 0
         self._updating_home: set[str] = set()  # ops of the step being updated on the host
+        self._grad_copies: dict[str, _GradCopies] = {}  # their gradients' copies to host memory, in flight
         self._depth = 0  # nesting of timed calls (only the outermost one counts)
         self._lock = threading.RLock()
 
@@ -256,12 +282,15 @@ class VirtualStore(WorkingSet):
             if op_id in self._updating_home:
                 if host_step is None:
                     raise RuntimeError(f"op {op_id!r} is updated at home, but no host step was given")
-                self.host_updates.submit(op_id, _home_update(rec, host_step))
+                self.host_updates.submit(op_id, _home_update(rec, host_step, self._grad_copies.pop(op_id, None)))
                 continue
             rec.dirty = True
             if not rec.settled and rec.nbytes:
                 rec.settle(self.arena.buffer, rec.offset)
         self._updating_home.clear()
+        for copies in self._grad_copies.values():  # (ops prepared but not stepped: nothing reads them)
+            copies.done()
+        self._grad_copies.clear()
 
     def _shed_state(self, together: set[str]) -> int:
         """Hybrid, when the ops needed at once do not fit with the state some of them keep on
@@ -277,13 +306,20 @@ class VirtualStore(WorkingSet):
         return sum(self.ops[x].nbytes for x in together)
 
     def _to_host(self, rec: OpPlacement) -> None:
-        """The op's gradients to host memory, its changed buffers written back, the op home."""
+        """The op's gradients to host memory, its changed buffers written back, the op home.
+
+        A device gradient travels on the copier's write-back stream, after the kernels queued
+        so far (its backward): the training thread does not wait for it; the op's update at
+        home does (:func:`_home_update`), and nothing else reads the host copy before that
+        update (a fetch, export or removal of the op waits for the update)."""
         grads = []
+        copies = _GradCopies()
         for p in rec.params:
             g = p.grad
-            if g is not None and g.device.type != "cpu":  # (a CPU gradient is in host memory already)
+            if g is not None and not _in_host_memory(g):
                 host_g = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.settings.host_memory == "pinned")
-                host_g.copy_(g)  # synchronous: the update reads it at once
+                copies.handles.append(self.copier.copy(host_g, g))
+                copies.sources.append(g)
                 self.counters.add(written_back_bytes=host_g.nbytes)
                 g = host_g
             elif g is not None and self.host_updates.threads:
@@ -301,6 +337,8 @@ class VirtualStore(WorkingSet):
             s.discard(rec.op_id)
         for p, g in zip(rec.params, grads):
             p.grad = g
+        if copies.handles:
+            self._grad_copies[rec.op_id] = copies
 
     @_timed
     def release_step(self, advance: bool = True, ops: Collection[str] | None = None, done: int = 0,
