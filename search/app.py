@@ -368,4 +368,6 @@ def _memory_totals(engine: Engine) -> dict[str, Any] | None:
     return {"device_budget_bytes": m.budget_bytes, "resident_bytes_peak": m.resident_bytes_peak,
             "fetched_bytes": m.fetched_bytes, "written_back_bytes": m.written_back_bytes, "fetches": m.fetches,
             "write_backs": m.write_backs, "evictions": m.evictions, "hits": m.hits, "late": m.late,
-            "misses": m.misses, "hit_rate": m.hit_rate, "stall_s": round(m.stall_s, 6), "busy_s": round(m.busy_s, 6)}
+            "misses": m.misses, "hit_rate": m.hit_rate, "stall_s": round(m.stall_s, 6), "busy_s": round(m.busy_s, 6),
+            # memory.host_update_rate: auto, as measured on this rank (null: never asked for)
+            "host_update_rate_measured": tensors.measured_host_rate}

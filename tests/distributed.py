@@ -159,6 +159,7 @@ def run_scenario(sc: Scenario, env=None) -> dict:
         "migrated": migrated, "peak_in_flight": peaks, "resident_peak": resident_peak, "evictions": evictions,
         "swapped": swapped, "recomputed": recomputed, "peered": peered, "peer_held": peer_held, "overlapped": overlapped, "hits": hits, "host_updates": host_updates, "arrived": arrived, "planned_ahead": ahead, "early_migrated": early, "bounds": bounds, "agreement_round_trips": round_trips,
         "spans": [list(dataclasses.astuple(sp)) for sp in spans] if spans else None,
+        "host_rate": engine.tensors.measured_host_rate,  # memory.host_update_rate: auto, as measured (None: not)
         "engine": engine,
     }
 
@@ -211,7 +212,7 @@ def _worker() -> None:
         res["peak_in_flight"] = peaks
         mem: list = [None] * world
         gathered = ("resident_peak", "evictions", "swapped", "recomputed", "hits", "host_updates", "arrived", "peered",
-                    "peer_held")
+                    "peer_held", "host_rate")
         dist.all_gather_object(mem, tuple(res[key] for key in gathered))
         for k, key in enumerate(gathered):
             res[key] = [m[k] for m in mem]

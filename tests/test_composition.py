@@ -114,6 +114,9 @@ def test_every_combination_computes_the_one_process_bits(world: int, stages: int
             assert all(0 < p <= budget for p in got["resident_peak"]), f"{label}: {got['resident_peak']} vs {budget}"
             evicted += sum(got["evictions"])
             arrived += sum(got["arrived"])
+            # memory.host_update_rate: auto (the default) is measured where hybrid plans ask, on every rank
+            auto = sc.memory.get("optimizer", "hybrid") == "hybrid" and "host_update_rate" not in sc.memory
+            assert all((r is not None and r > 0) == auto for r in got["host_rate"]), f"{label}: {got['host_rate']}"
     assert evicted > 0, "the budgets should force evictions"
     assert arrived > 0, "ops that move under a budget should land in the receiver's arena"
 

@@ -728,10 +728,71 @@ def test_a_host_that_cannot_step_an_op_in_time_leaves_its_state_on_the_device(se
         assert all(tm2._store.ops[o].optim_on_host for o in alone)
 
 
+def test_an_auto_host_update_rate_is_measured_once_and_bounds_what_goes_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory.host_update_rate: auto (the default) measures the host's rate once, on the
+    host-update threads with the run's optimizer, when a plan first gives the step's seconds; it
+    then bounds what hybrid sends home as a number would. Nothing is measured where it cannot
+    matter (no estimate, no budget, not hybrid)."""
+    from pipeline.memory.host_updates import HostUpdates
+
+    graph = build_graph("conv")
+    own = [s.op_id for s in graph.slots()]
+    room = TensorManager(graph, 0, optim_of("sgd"), own=own, memory=MemorySettings(optimizer="device")).footprint(own)
+    mem = MemorySettings(device_budget_bytes=room, optimizer="hybrid", host_update_threads=2)
+    assert MemorySettings().host_update_rate == "auto"
+    tm = TensorManager(graph, 0, optim_of("adamw"), own=own, memory=mem)
+    rate = tm.host_update_rate()  # the real measurement: two threads, AdamW
+    assert 0 < rate < float("inf") and tm.host_update_rate() is rate  # once
+    for other in (dataclasses.replace(mem, optimizer="host"), MemorySettings(optimizer="hybrid")):
+        assert TensorManager(graph, 0, optim_of("sgd"), own=own, memory=other).host_update_rate() is None
+    assert TensorManager(graph, 0, optim_of("sgd"), own=own,
+                         memory=dataclasses.replace(mem, host_update_rate=5.0)).host_update_rate() == 5.0
+
+    calls = []
+
+    def slow_host(self, make_job, rounds=3):
+        calls.append(make_job(0)())  # the job steps its parameters and counts them
+        return 1.0  # one parameter a second: nothing goes home
+
+    monkeypatch.setattr(HostUpdates, "throughput", slow_host)
+    for seconds, on_host in ((None, True), (1.0, False)):
+        tm = TensorManager(graph, 0, optim_of("sgd"), own=own, memory=mem)
+        a, b = (frozenset(o.op_id for o in graph.active_ops(x)) & set(own) for x in arch_stream(graph, 3, 2))
+        alone = [o for o in a - b if tm._store.ops[o].params]
+        tm.prefetch([a, b], None if seconds is None else [seconds, None])
+        assert {tm._store.ops[o].optim_on_host for o in alone} == {on_host}
+    assert calls == [1 << 21]  # measured only where a plan gave seconds
+
+
+def test_the_host_rate_is_what_the_pool_steps_a_second() -> None:
+    import time
+
+    from pipeline.memory.host_updates import HostUpdates
+
+    for threads in (0, 3):
+        made = []
+
+        def make_job(k):
+            made.append(k)
+
+            def job():
+                time.sleep(0.02)
+                return 1000
+
+            return job
+
+        rate = HostUpdates(threads).throughput(make_job, rounds=2)
+        assert made == list(range(max(1, threads)))
+        assert 0 < rate <= max(1, threads) * 1000 / 0.02  # (a sleep never ends early; no lower bound: the machine may be busy)
+
+
 def test_the_host_update_rate_names_the_field() -> None:
     for bad in (0, -1.0, float("inf"), "fast", True):
-        with pytest.raises(ValueError, match=r"memory\.host_update_rate: expected a positive number"):
+        with pytest.raises(ValueError, match=r"memory\.host_update_rate: expected a positive number \(parameters/s\), "
+                                             r"'auto' or null, found"):
             MemorySettings(host_update_rate=bad)
+    for good in ("auto", None, 1e9, 3):
+        MemorySettings(host_update_rate=good)
 
 
 @pytest.mark.parametrize("threads, shared_ops", [(0, "exact"), (2, "exact"), (2, "delayed")])

@@ -12,10 +12,14 @@ export or removal waits for it (:meth:`wait`), and the prefetch passes it by (:m
 Each op's arithmetic is the same on whichever thread runs it, so the bits do not change.
 
 ``threads=0`` runs every update at once on the calling thread (the behaviour before).
+:meth:`HostUpdates.throughput` measures what the pool steps a second (``memory.host_update_rate:
+auto``).
 """
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -54,6 +58,27 @@ class HostUpdates:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pipenas-host-update")
         self._running[op_id] = self._pool.submit(update)
+
+    def throughput(self, make_job: Callable[[int], Callable[[], int]], rounds: int = 3) -> float:
+        """Parameters a second this pool's host steps: one job per thread at once (none: the
+        calling thread's alone), each stepping the parameters ``make_job(k)`` made for it and
+        returning how many; the best of ``rounds`` rounds after a warm-up round (whose first
+        step makes the optimizer's state)."""
+        jobs = [make_job(k) for k in range(max(1, self.threads))]
+        pool = ThreadPoolExecutor(len(jobs), thread_name_prefix="pipenas-host-rate") if self.threads else None
+        best = math.inf
+        n = 0
+        try:
+            for r in range(rounds + 1):
+                t0 = time.perf_counter()
+                n = (sum(f.result() for f in [pool.submit(j) for j in jobs]) if pool is not None
+                     else sum(j() for j in jobs))
+                if r:
+                    best = min(best, time.perf_counter() - t0)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        return n / max(best, 1e-9)
 
     def pending(self, op_id: str) -> bool:
         """Whether the op's update is still running (a failed one counts as over: :meth:`wait` raises it)."""

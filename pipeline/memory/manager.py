@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from .stats import MemoryAudit, MemoryStats
 from .store import Store, make_store
 
 __all__ = ["TensorManager"]
+
+RATE_PARAMS = 1 << 21  # memory.host_update_rate: auto: parameters each host-update thread steps to measure the rate
 
 
 class TensorManager:
@@ -68,6 +70,7 @@ class TensorManager:
         self._store: Store = make_store(self.memory, self.device, self._state_keys)
         self._group = OptimGroup(optim, self.device)
         self._home_groups = threading.local()  # per host-update thread, its optimizer group
+        self._measured_rate: float | None = None  # memory.host_update_rate: auto, once measured
         for op_id in own:
             self.create(op_id)
 
@@ -135,11 +138,46 @@ class TensorManager:
         ``host_seconds``: per coming step, the seconds it computes here (its estimate): with the
         hybrid placement and ``memory.host_update_rate``, the host steps no more of a step's ops
         than it can in that time (None: no limit)."""
-        rate = self.memory.host_update_rate
         budget = None
-        if rate is not None and host_seconds is not None:
-            budget = [None if s is None else rate * s for s in host_seconds]
+        if host_seconds is not None and any(s is not None for s in host_seconds):
+            rate = self.host_update_rate()
+            if rate is not None:
+                budget = [None if s is None else rate * s for s in host_seconds]
         self._store.prefetch(upcoming, budget)
+
+    def host_update_rate(self) -> float | None:
+        """The parameters a second the host steps (``memory.host_update_rate``; ``auto``: measured
+        once, on the host-update threads with this run's optimizer); None without a limit or
+        where the host steps nothing of its own accord (no budget, or not ``hybrid``)."""
+        rate = self.memory.host_update_rate
+        if rate != "auto":
+            return rate
+        if not self.virtual or self.memory.optimizer != "hybrid":
+            return None
+        if self._measured_rate is None:
+            self._measured_rate = self._store.host_updates.throughput(self._rate_job)
+        return self._measured_rate
+
+    @property
+    def measured_host_rate(self) -> float | None:
+        """What ``memory.host_update_rate: auto`` measured (None: not measured)."""
+        return self._measured_rate
+
+    def _rate_job(self, k: int, numel: int = RATE_PARAMS) -> Callable[[], int]:
+        """A host update of ``numel`` parameters (four tensors) as a home update runs it: this
+        run's optimizer (PortableAdamW where the device is CUDA) through an :class:`OptimGroup`
+        of its own; returns a call that steps them once and says how many there are."""
+        g = torch.Generator().manual_seed(k)
+        params = [nn.Parameter(torch.randn(numel // 4, generator=g)) for _ in range(4)]
+        grads = [torch.randn(numel // 4, generator=g) for _ in range(4)]
+        opt, group = self.optim.build(params), OptimGroup(self.optim, torch.device("cpu"))
+        lr = self.optim.lr
+
+        def job() -> int:
+            group.step_apart([(opt, p, gr) for p, gr in zip(params, grads)], lr)
+            return numel
+
+        return job
 
     def ensure(self, op_ids: Collection[str]) -> None:
         """Make ``op_ids`` resident and pin them until ``release_step`` (a stall when they were

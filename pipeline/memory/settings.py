@@ -32,6 +32,11 @@ host's way otherwise; the state comes along only where the arena has room for it
 runs at ``host``'s budget). ``hybrid`` is the default: simulated on NASPipe's space
 (``bench/vtm.py``, bench/RESULTS.md) it is at least the better of the other two in all 28 settings
 (0.81-1.00x of all-resident, against 0.61-0.99 for ``device`` and 0.48-0.98 for ``host``).
+``host_update_rate`` (hybrid): the parameters a second the host's optimizer steps, so that the
+host steps no more of a subnet's ops than it can while the subnet computes on the stage (the
+plan's estimate: under torchrun; one process plans nothing and sets no limit); ``auto`` (the
+default) measures it once, on the host-update threads with the run's optimizer, when a plan
+first asks; ``null``: no limit.
 ``host_update_threads``: the threads that run the host's updates (:mod:`pipeline.memory.host_updates`)
 while the training thread goes on; ``0`` runs them on the training thread; ``null`` (the default)
 one per core this process may use (its share under torchrun), less one, at most 8.
@@ -74,7 +79,7 @@ class MemorySettings:
     peer_link_bandwidth: float = 150e9
     optimizer: str = "hybrid"
     cpu_copies: str = "inline"
-    host_update_rate: float | None = None  # hybrid: parameters/s the host steps; null: no limit
+    host_update_rate: float | str | None = "auto"  # hybrid: parameters/s the host steps; auto: measured; null: no limit
     host_update_threads: int | None = None  # threads stepping ops at home; 0: on the training thread; null: auto
 
     @property
@@ -132,8 +137,10 @@ class MemorySettings:
         if self.cpu_copies not in CPU_COPIES:
             raise ValueError(f"memory.cpu_copies: expected one of {list(CPU_COPIES)}, found {self.cpu_copies!r}")
         r = self.host_update_rate
-        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf")):
-            raise ValueError(f"memory.host_update_rate: expected a positive number (parameters/s) or null, found {r!r}")
+        if r is not None and r != "auto" and (isinstance(r, bool) or not isinstance(r, (int, float))
+                                              or not 0 < r < float("inf")):
+            raise ValueError(f"memory.host_update_rate: expected a positive number (parameters/s), 'auto' or null, "
+                             f"found {r!r}")
         t = self.host_update_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
             raise ValueError(f"memory.host_update_threads: expected an integer >= 0 or null (one per core this "
