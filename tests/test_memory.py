@@ -701,6 +701,40 @@ def test_portable_adamw_is_adamw_to_rounding_with_the_same_state() -> None:
     assert torch.allclose(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-6)
 
 
+def test_the_host_square_root_is_the_correctly_rounded_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PortableAdamW's square root on the host (numpy's float32 sqrt) gives the float64 path's
+    bits, the device's: on every float32 in [1, 4) (where torch's CPU float sqrt is one ulp off
+    for many) and on tiny, huge and special values; and a step with either gives the same
+    parameters and state. A sqrt that rounds otherwise fails the per-process check, and the host
+    then takes the float64 path."""
+    import numpy as np
+
+    from pipeline.memory import optim
+
+    x = torch.cat([torch.arange(0x3F800000, 0x40800000, dtype=torch.int64).to(torch.int32).view(torch.float32),
+                   torch.rand(1 << 16) * 1e-35, torch.rand(1 << 16) * 1e35,
+                   torch.tensor([0.0, -0.0, float("inf"), 1e-45, 1.1754942e-38, 3.4028235e38])])
+    exact = x.double().sqrt().float().view(torch.int32)
+    assert torch.equal(optim.correct_sqrt(x).view(torch.int32), exact)
+    assert not torch.equal(x.sqrt().view(torch.int32), exact)  # (why: torch's own CPU kernel)
+    cfg = dataclasses.replace(optim_of("adamw"), weight_decay=0.01, portable=True)
+    got = []
+    for numpy_sqrt in (True, False):
+        monkeypatch.setattr(optim, "_numpy_sqrt_ok", lambda u=numpy_sqrt: u)
+        step = optim.synthetic_update(cfg, 3, 1 << 14)
+        for _ in range(3):
+            step()
+        got.append([p.detach().clone() for p in step.params])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    monkeypatch.undo()
+    optim._numpy_sqrt_ok.cache_clear()
+    monkeypatch.setattr(np, "sqrt", lambda a, out=None: torch.from_numpy(a).sqrt().numpy())
+    try:
+        assert not optim._numpy_sqrt_ok()
+    finally:
+        optim._numpy_sqrt_ok.cache_clear()
+
+
 def test_the_manager_runs_portable_adamw_on_cuda_only() -> None:
     graph = build_graph("conv")
     assert not TensorManager(graph, 0, optim_of("adamw")).optim.portable

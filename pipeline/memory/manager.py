@@ -24,7 +24,7 @@ from torch import nn
 
 from supernet import OpSlot, SupernetGraph, build_op
 
-from .optim import OptimConfig, OptimGroup
+from .optim import OptimConfig, OptimGroup, synthetic_update
 from .settings import MemorySettings
 from .sizing import largest_subnet_footprint, op_footprints
 from .state import OpState, optim_state_keys
@@ -163,21 +163,10 @@ class TensorManager:
         """What ``memory.host_update_rate: auto`` measured (None: not measured)."""
         return self._measured_rate
 
-    def _rate_job(self, k: int, numel: int = RATE_PARAMS) -> Callable[[], int]:
-        """A host update of ``numel`` parameters (four tensors) as a home update runs it: this
-        run's optimizer (PortableAdamW where the device is CUDA) through an :class:`OptimGroup`
-        of its own; returns a call that steps them once and says how many there are."""
-        g = torch.Generator().manual_seed(k)
-        params = [nn.Parameter(torch.randn(numel // 4, generator=g)) for _ in range(4)]
-        grads = [torch.randn(numel // 4, generator=g) for _ in range(4)]
-        opt, group = self.optim.build(params), OptimGroup(self.optim, torch.device("cpu"))
-        lr = self.optim.lr
-
-        def job() -> int:
-            group.step_apart([(opt, p, gr) for p, gr in zip(params, grads)], lr)
-            return numel
-
-        return job
+    def _rate_job(self, k: int) -> Callable[[], int]:
+        """One host-update thread's part of the measurement: :data:`RATE_PARAMS` parameters stepped
+        as a home update steps them (this run's optimizer: PortableAdamW where the device is CUDA)."""
+        return synthetic_update(self.optim, k, RATE_PARAMS)
 
     def ensure(self, op_ids: Collection[str]) -> None:
         """Make ``op_ids`` resident and pin them until ``release_step`` (a stall when they were

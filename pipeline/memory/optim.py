@@ -12,17 +12,18 @@ steps them in one call over the same per-parameter state dicts.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import math
-
+import numpy as np
 import torch
 from torch import nn
 
 from .. import eager
 
-__all__ = ["OptimConfig", "OptimGroup", "PortableAdamW"]
+__all__ = ["OptimConfig", "OptimGroup", "PortableAdamW", "correct_sqrt", "synthetic_update"]
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,39 @@ class PortableAdamW(torch.optim.Optimizer):
                 v.mul_(b2).add_((g * g).mul_(1 - b2))
                 # measured on an H200 (bench/cuda_bits.py): CUDA divides a tensor by a scalar as a
                 # multiply by its reciprocal and rounds its float sqrt apart from the CPU; so a
-                # multiply by the reciprocal, and the square root in float64, rounded once to float
-                # (a correctly rounded double sqrt rounds to the correctly rounded float one)
-                denom = v.double().sqrt_().to(v.dtype).mul_(1 / math.sqrt(1 - b2 ** t)).add_(eps)
+                # multiply by the reciprocal, and the correctly rounded square root
+                denom = correct_sqrt(v).mul_(1 / math.sqrt(1 - b2 ** t)).add_(eps)
                 p.sub_(m.div(denom).mul_(lr / (1 - b1 ** t)))
         return None
+
+
+def correct_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of ``v`` (a new tensor), the same bits on every device.
+
+    torch's float sqrt is not correctly rounded on either side: CUDA's differs from the CPU's
+    (bench/cuda_bits.py), and the CPU's AVX2 kernel is one ulp off for ~17 % of all float32
+    values (every non-negative bit pattern checked on the 2-core VM, torch 2.13). A float64
+    square root rounded once to float32 is the correctly rounded one (a double holds more than
+    twice float's precision), so the device takes that path. On the host numpy's float32 sqrt
+    is correctly rounded (the hardware's instruction; the same check: no bit pattern differs
+    from the float64 path) and one pass instead of three: PortableAdamW's host update ~1.6x
+    faster (bench/host_rate.py). :func:`_numpy_sqrt_ok` checks it once per process."""
+    if v.device.type == "cpu" and v.dtype == torch.float32 and _numpy_sqrt_ok():
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        np.sqrt(v.numpy(), out=out.numpy())  # (numpy releases the GIL: host-update threads run at once)
+        return out
+    return v.double().sqrt_().to(v.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _numpy_sqrt_ok() -> bool:
+    """Whether numpy's float32 sqrt gives the float64 path's bits on this machine: on the float32
+    values torch's CPU kernel rounds wrongly (from [1, 4) and the extremes) and on random ones."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.arange(0x3F800000, 0x40800000, 97, dtype=torch.int64).to(torch.int32).view(torch.float32),
+                   torch.rand(1 << 16, generator=g) * 1e-30, torch.rand(1 << 16, generator=g) * 1e30,
+                   torch.tensor([0.0, -0.0, float("inf"), 1e-45, 3.4028235e38])])
+    return torch.equal(torch.from_numpy(np.sqrt(x.numpy())).view(torch.int32), x.double().sqrt().float().view(torch.int32))
 
 
 class OptimGroup:
@@ -154,3 +183,21 @@ class OptimGroup:
             eager.step(group)  # group.step(); in the app's processes without torch._dynamo (pipeline/eager.py)
         finally:
             group.param_groups[0]["params"], group.state = [], {}
+
+
+def synthetic_update(config: OptimConfig, seed: int, numel: int) -> Callable[[], int]:
+    """A host update of ``numel`` parameters (four tensors, random gradients) as a home update
+    runs it: ``config``'s optimizer through an :class:`OptimGroup` of its own (``step_apart``).
+    Returns a call that steps them once and says how many there are (what
+    ``memory.host_update_rate: auto`` times, and ``bench/host_rate.py``)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(numel // 4, generator=g)) for _ in range(4)]
+    grads = [torch.randn(numel // 4, generator=g) for _ in range(4)]
+    opt, group = config.build(params), OptimGroup(config, torch.device("cpu"))
+
+    def step() -> int:
+        group.step_apart([(opt, p, gr) for p, gr in zip(params, grads)], config.lr)
+        return numel
+
+    step.params = params  # (what it steps: a check of the bits reads them)
+    return step
