@@ -70,6 +70,19 @@ class PortableAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        # two scratch tensors per device and dtype, as large as the largest parameter stepped so
+        # far: the update's temporaries land in them (the same operations, the same bits). Fresh
+        # temporaries of a large parameter are fresh pages on the host: 1.9x slower at 4 M
+        # parameters, 1.2x at 0.5 M (the 2-core VM). An instance steps on one thread at a time
+        # (each host-update thread has its own, pipeline/memory/manager.py).
+        self._scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _temporaries(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (p.device, p.dtype)
+        bufs = self._scratch.get(key)
+        if bufs is None or bufs[0].numel() < p.numel():
+            bufs = self._scratch[key] = tuple(torch.empty(p.numel(), dtype=p.dtype, device=p.device) for _ in range(2))
+        return tuple(b[: p.numel()].view(p.shape) for b in bufs)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -86,19 +99,21 @@ class PortableAdamW(torch.optim.Optimizer):
                 st["step"] += 1
                 t = float(st["step"])
                 m, v = st["exp_avg"], st["exp_avg_sq"]
+                a, denom = self._temporaries(p)
                 p.mul_(1 - lr * wd)
-                m.mul_(b1).add_(g * (1 - b1))
-                v.mul_(b2).add_((g * g).mul_(1 - b2))
+                m.mul_(b1).add_(torch.mul(g, 1 - b1, out=a))
+                v.mul_(b2).add_(torch.mul(g, g, out=a).mul_(1 - b2))
                 # measured on an H200 (bench/cuda_bits.py): CUDA divides a tensor by a scalar as a
                 # multiply by its reciprocal and rounds its float sqrt apart from the CPU; so a
                 # multiply by the reciprocal, and the correctly rounded square root
-                denom = correct_sqrt(v).mul_(1 / math.sqrt(1 - b2 ** t)).add_(eps)
-                p.sub_(m.div(denom).mul_(lr / (1 - b1 ** t)))
+                correct_sqrt(v, out=denom).mul_(1 / math.sqrt(1 - b2 ** t)).add_(eps)
+                p.sub_(torch.div(m, denom, out=a).mul_(lr / (1 - b1 ** t)))
         return None
 
 
-def correct_sqrt(v: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root of ``v`` (a new tensor), the same bits on every device.
+def correct_sqrt(v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The correctly rounded square root of ``v`` (into ``out``, contiguous, if given; else a new
+    tensor), the same bits on every device.
 
     torch's float sqrt is not correctly rounded on either side: CUDA's differs from the CPU's
     (bench/cuda_bits.py), and the CPU's AVX2 kernel is one ulp off for ~17 % of all float32
@@ -109,10 +124,12 @@ def correct_sqrt(v: torch.Tensor) -> torch.Tensor:
     from the float64 path) and one pass instead of three: PortableAdamW's host update ~1.6x
     faster (bench/host_rate.py). :func:`_numpy_sqrt_ok` checks it once per process."""
     if v.device.type == "cpu" and v.dtype == torch.float32 and _numpy_sqrt_ok():
-        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty_like(v, memory_format=torch.contiguous_format)
         np.sqrt(v.numpy(), out=out.numpy())  # (numpy releases the GIL: host-update threads run at once)
         return out
-    return v.double().sqrt_().to(v.dtype)
+    root = v.double().sqrt_()
+    return root.to(v.dtype) if out is None else out.copy_(root)  # (rounded once to v's dtype either way)
 
 
 @functools.lru_cache(maxsize=1)
