@@ -205,6 +205,10 @@ def run(cfg: DictConfig | Mapping[str, Any], output_dir: str | Path | None = Non
                             keep_previous=ckpt_file is None or ckpt_file == ckpt_path,
                             stop=Stop(interrupts, vote, faults, engine.rank))
             train_s = time.perf_counter() - t0
+            rate = engine.tensors.measured_host_rate
+            if rate is not None and engine.is_main:  # memory.host_update_rate: auto, measured when the first plan asked
+                rlog.info("memory: the host's optimizer steps %.0f M parameters a second here (memory.host_update_rate: "
+                          "auto; hybrid sends home no more than that while a subnet computes)", rate / 1e6)
             if rc.pipeline.trace_steps:
                 _write_trace(out / TRACE_NAME, engine, rc.pipeline.trace_steps, rlog)
             if engine.is_main and getattr(engine, "runtime_costs", None) is not None:  # what a report replays with

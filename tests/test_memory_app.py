@@ -34,6 +34,7 @@ def test_a_budget_that_forces_swaps_trains_the_same_weights(tmp_path: Path) -> N
     m = swapped["memory"]
     assert m["device_budget_bytes"] == BUDGET and m["evictions"] > 0 and m["written_back_bytes"] > 0
     assert 0 < m["resident_bytes_peak"] <= BUDGET
+    assert m["host_update_rate_measured"] is None  # memory.host_update_rate: auto; one process plans nothing
     assert plain["memory"]["device_budget_bytes"] is None and plain["memory"]["fetched_bytes"] == 0
     lines = [json.loads(x) for x in (tmp_path / "swapped" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 8
