@@ -847,7 +847,9 @@ def test_the_host_rate_is_what_the_pool_steps_a_second() -> None:
 
             return job
 
-        rate = HostUpdates(threads).throughput(make_job, rounds=2)
+        hu = HostUpdates(threads)
+        rate = hu.throughput(make_job, rounds=2)
+        hu.close()
         assert made == list(range(max(1, threads)))
         assert 0 < rate <= max(1, threads) * 1000 / 0.02  # (a sleep never ends early; no lower bound: the machine may be busy)
 

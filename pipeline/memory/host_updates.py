@@ -55,29 +55,28 @@ class HostUpdates:
         if self.threads == 0:
             update()
             return
+        self._running[op_id] = self._workers().submit(update)
+
+    def _workers(self) -> ThreadPoolExecutor:
+        """The worker threads (made at their first use)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pipenas-host-update")
-        self._running[op_id] = self._pool.submit(update)
+        return self._pool
 
     def throughput(self, make_job: Callable[[int], Callable[[], int]], rounds: int = 3) -> float:
-        """Parameters a second this pool's host steps: one job per thread at once (none: the
+        """Parameters a second the host steps on these threads: one job per thread at once (none: the
         calling thread's alone), each stepping the parameters ``make_job(k)`` made for it and
         returning how many; the best of ``rounds`` rounds after a warm-up round (whose first
         step makes the optimizer's state)."""
         jobs = [make_job(k) for k in range(max(1, self.threads))]
-        pool = ThreadPoolExecutor(len(jobs), thread_name_prefix="pipenas-host-rate") if self.threads else None
         best = math.inf
         n = 0
-        try:
-            for r in range(rounds + 1):
-                t0 = time.perf_counter()
-                n = (sum(f.result() for f in [pool.submit(j) for j in jobs]) if pool is not None
-                     else sum(j() for j in jobs))
-                if r:
-                    best = min(best, time.perf_counter() - t0)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+        for r in range(rounds + 1):
+            t0 = time.perf_counter()
+            n = (sum(f.result() for f in [self._workers().submit(j) for j in jobs]) if self.threads
+                 else sum(j() for j in jobs))
+            if r:
+                best = min(best, time.perf_counter() - t0)
         return n / max(best, 1e-9)
 
     def pending(self, op_id: str) -> bool:

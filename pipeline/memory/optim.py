@@ -121,8 +121,9 @@ def correct_sqrt(v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     square root rounded once to float32 is the correctly rounded one (a double holds more than
     twice float's precision), so the device takes that path. On the host numpy's float32 sqrt
     is correctly rounded (the hardware's instruction; the same check: no bit pattern differs
-    from the float64 path) and one pass instead of three: PortableAdamW's host update ~1.6x
-    faster (bench/host_rate.py). :func:`_numpy_sqrt_ok` checks it once per process."""
+    from the float64 path) and one pass instead of three: PortableAdamW's host update 2.7x faster
+    on the 2-core VM (bench/host_rate.py, bench/RESULTS.md 2026-11-28). :func:`_numpy_sqrt_ok`
+    checks it once per process."""
     if v.device.type == "cpu" and v.dtype == torch.float32 and _numpy_sqrt_ok():
         if out is None:
             out = torch.empty_like(v, memory_format=torch.contiguous_format)
