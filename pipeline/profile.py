@@ -55,7 +55,7 @@ from supernet import INPUT, OpContext, SupernetError, SupernetGraph, build_op
 from supernet.ops import run_op
 
 from .files import atomic_write_text
-from .plan.costs import CostTable, analytic_costs, optim_bytes
+from .plan.costs import CostTable, analytic_costs, kept_bytes, optim_bytes
 from .plan.partition import OpCost
 
 __all__ = ["ProfileError", "measured_costs", "shared_profile", "cost_table", "profile_key", "default_cache_dir",
@@ -180,24 +180,6 @@ class _Clock:
         return self._now() - t0
 
 
-def _kept_bytes_cpu(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext) -> int:
-    """Unique storages autograd saves in one forward, plus the output's, minus weights and inputs."""
-    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    exclude |= {a.untyped_storage().data_ptr() for a in args}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run_op(module, args, ctx)
-    st = out.untyped_storage()
-    seen[st.data_ptr()] = st.nbytes()
-    return sum(n for ptr, n in seen.items() if ptr not in exclude and ptr != 0)
-
-
 def _kept_bytes_cuda(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext) -> int:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -245,7 +227,7 @@ def _time_units(units: list[_Unit], device: torch.device, warmup: int, repeats: 
     burst of load on a shared machine slows every op a little rather than a few ops a lot:
     the relative costs, which decide the partition, stay right)."""
     clock = _Clock(device)
-    kept = _kept_bytes_cuda if device.type == "cuda" else _kept_bytes_cpu
+    kept = _kept_bytes_cuda if device.type == "cuda" else kept_bytes
     for u in units:
         u.kept = kept(u.module, u.leaves(), u.ctx)
     for i in range(warmup + repeats):

@@ -99,10 +99,11 @@ def test_a_smaller_arena_quantile_gives_the_activations_more_memory(space) -> No
 
 def test_the_peer_tier_hands_activations_to_the_paired_stage(space) -> None:
     """Issue 26: with the peer tier the holders (stages P - 1 - s of the later half) keep what their
-    givers hand them within what they lend; the ceiling never falls; the profile adds up."""
+    givers hand them within what they lend; the ceiling never falls; the profile adds up. (8x: at
+    4x every stage keeps its activations.)"""
     P = 8
-    base = run_setting(space, P, 8, 4.0, "hybrid", 25e9, 1.5e9, ("belady",), ceiling=True)
-    peer = run_setting(space, P, 8, 4.0, "hybrid", 25e9, 1.5e9, ("belady",), ceiling=True, peer_link=150e9)
+    base = run_setting(space, P, 8, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), ceiling=True)
+    peer = run_setting(space, P, 8, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), ceiling=True, peer_link=150e9)
     assert base["activations"]["peered_share"] == 0.0 and peer["activations"]["peered_share"] > 0
     assert peer["ceiling"]["over_all_resident"] >= base["ceiling"]["over_all_resident"] - 1e-12
     prof = peer["activation_profile_GB"]
@@ -118,5 +119,5 @@ def test_the_peer_tier_hands_activations_to_the_paired_stage(space) -> None:
     assert peer["belady"]["MB_moved_per_subnet"]["peer_out"] > 0
     assert "peer_out" not in base["belady"]["MB_moved_per_subnet"]
     # lending nothing still uses what a holder's own activations leave, and never costs the baseline's keep
-    none = run_setting(space, P, 8, 4.0, "hybrid", 25e9, 1.5e9, ("belady",), peer_link=150e9, peer_lend=0.0)
+    none = run_setting(space, P, 8, 8.0, "hybrid", 25e9, 1.5e9, ("belady",), peer_link=150e9, peer_lend=0.0)
     assert [st["resident"] for st in none["stage_memory_GB"]] == [st["resident"] for st in base["stage_memory_GB"]]

@@ -192,3 +192,19 @@ def test_shared_profile_is_measured_on_rank0_and_broadcast(tmp_path) -> None:
     assert tables[0] == tables[1]
     assert list((tmp_path / "cache0").glob("profile-*.json"))  # rank 0 measured and cached
     assert not (tmp_path / "cache1").exists()  # rank 1 never measured
+
+
+@pytest.mark.parametrize("space, options", [
+    ("transformer", dict(layers=2, width=16, dropout=0.1,
+                         candidates=["attn2", "attn4", "ffn2", "conv3", "sepconv5", "lightconv3h4", "glu", "identity"])),
+    ("conv", {}), ("cell", {}), ("resmlp", {}),
+])
+def test_analytic_kept_bytes_equal_the_measured_ones_on_every_builtin_space(tmp_path, space, options) -> None:
+    """The analytic model counts what a training forward keeps for its backward, as the CPU
+    profiler measures it, not every tensor the forward makes (2-3x more on attention)."""
+    shape = (8, 12) if space == "transformer" else (1, 8, 8)
+    g = build_space(space, input_shape=shape, num_classes=5, **options)
+    measured = measured_costs(g, shape, MB, "sgd", "cpu", warmup=0, repeats=1, cache_dir=tmp_path)
+    analytic = analytic_costs(g, shape, MB, "sgd")
+    assert {k: c.act_bytes for k, c in analytic.ops.items()} == {k: c.act_bytes for k, c in measured.ops.items()}
+    assert any(c.act_bytes > 0 for c in analytic.ops.values())

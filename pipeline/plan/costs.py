@@ -19,11 +19,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from supernet import INPUT, ActiveOp, OpContext, SupernetError, SupernetGraph, build_op
 from supernet.execute import live_across
+from supernet.ops import run_op
 
 from .partition import ManagedMemory, OpCost, PartitionProblem
 from .schedule import Schedule
 
-__all__ = ["CostTable", "analytic_costs", "mean_cost", "mean_problem", "optim_bytes", "subnet_problem"]
+__all__ = ["CostTable", "analytic_costs", "kept_bytes", "mean_cost", "mean_problem", "optim_bytes", "subnet_problem"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,29 @@ class _ActivationBytes(TorchDispatchMode):
         return out
 
 
+def kept_bytes(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext) -> int:
+    """The bytes one forward of ``module`` leaves alive for its backward: the unique storages
+    autograd saves plus the output's, less the op's weights and its inputs (those are counted
+    once, as the producer's output or the stage's received cut). What the forward makes and
+    frees before it returns is not counted. Works on any device, ``meta`` included (storages
+    are told apart by their identity, not their address). ``args`` should be what the engine
+    passes: leaves that require grad, the data excepted."""
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    exclude = {key(p) for p in module.parameters()} | {key(a) for a in args}
+    saved: dict[int, torch.Tensor] = {}  # holding each tensor keeps its storage (and key) its own
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[key(t)] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_op(module, args, ctx)
+    saved[key(out)] = out
+    return sum(t.untyped_storage().nbytes() for k, t in saved.items() if k not in exclude)
+
+
 def analytic_costs(
     graph: SupernetGraph,
     sample_shape: tuple[int, ...],
@@ -67,7 +91,9 @@ def analytic_costs(
     overhead_s: float = 2e-5,
 ) -> CostTable:
     """A cost table from FLOPs and bytes (no real compute): time = FLOPs / ``flops_per_s`` +
-    bytes touched / ``bytes_per_s`` + a fixed per-op overhead; backward costs twice forward."""
+    bytes touched (every tensor the forward makes, and its inputs) / ``bytes_per_s`` + a fixed
+    per-op overhead; backward costs twice forward. ``act_bytes`` is what a training forward
+    keeps for its backward (:func:`kept_bytes`), as the measured profiler counts it."""
     ops: dict[str, OpCost] = {}
     out_bytes: dict[str, int] = {}
     measured: dict[tuple, tuple] = {}
@@ -83,15 +109,20 @@ def analytic_costs(
             shape = None
             for slot in slots_by_node[node]:
                 # Ops of the same spec on the same input shapes cost the same (layers repeat).
-                key = (slot.spec, shapes)
+                key = (slot.spec, shapes, tuple(src != INPUT for src in graph.inputs_of(node)))
                 if key not in measured:
                     module = build_op(slot.spec, slot.op_id, 0)
-                    counter, acts = FlopCounterMode(display=False), _ActivationBytes()
-                    with counter, acts:
+                    counter, made = FlopCounterMode(display=False), _ActivationBytes()
+                    with counter, made:
                         out = module(*args, ctx=OpContext(0, 0, 0, slot.op_id, False))
                     pbytes = sum(p.numel() * p.element_size() for p in module.parameters())
-                    measured[key] = (out, counter.get_total_flops(), acts.bytes, pbytes)
-                out, flops, act_bytes, pbytes = measured[key]
+                    # What a training forward keeps, run as the engine runs it (float inputs but
+                    # the data are leaves that require grad).
+                    leaves = [a.detach().requires_grad_(src != INPUT and a.is_floating_point())
+                              for src, a in zip(graph.inputs_of(node), args)]
+                    kept = kept_bytes(module, leaves, OpContext(0, 0, 0, slot.op_id, True))
+                    measured[key] = (out, counter.get_total_flops(), made.bytes, pbytes, kept)
+                out, flops, made_bytes, pbytes, act_bytes = measured[key]
                 if shape is None:
                     shape, env[node] = tuple(out.shape), out
                 elif tuple(out.shape) != shape:
@@ -99,7 +130,7 @@ def analytic_costs(
                         f"node {node!r}: every candidate must produce the same output shape; "
                         f"{slot.op_id!r} gives {tuple(out.shape)}, an earlier candidate gives {shape}"
                     )
-                touched = act_bytes + sum(a.numel() * a.element_size() for a in args)
+                touched = made_bytes + sum(a.numel() * a.element_size() for a in args)
                 fwd = flops / flops_per_s + touched / bytes_per_s + overhead_s
                 bwd = 2 * flops / flops_per_s + 2 * touched / bytes_per_s + overhead_s
                 ops[slot.op_id] = OpCost(slot.op_id, fwd, bwd, pbytes, optim_bytes(pbytes, optimizer), act_bytes)
