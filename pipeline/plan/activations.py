@@ -272,8 +272,16 @@ def plan_activations(
         peer = sum(op.act_bytes for op, c in zip(ops, ch) if c == PEER)
         return rec, swap, peer
 
-    # an upper bound on the optimum (a greedy plan) prunes the search
+    # an upper bound on the optimum (a greedy plan) prunes the search. With the peer tier also
+    # the greedy plan without it: peering first can leave the rest unable to fit (a peered op
+    # saves less than a recomputed one), and at a coarse resolution the search may then find only
+    # plans worse than one without the tier
     greedy = _greedy(ops, input_bytes, F, M, budget, stage_input_bytes, allowed, cost, peer_capacity)
+    if PEER in allowed:
+        alone = _greedy(ops, input_bytes, F, M, budget, stage_input_bytes, [c for c in allowed if c != PEER], cost,
+                        0.0)
+        if alone is not None and (greedy is None or cost.added(*totals(alone)) < cost.added(*totals(greedy))):
+            greedy = alone
     best = None
     bound = math.inf
     if greedy is not None:
