@@ -104,22 +104,23 @@ def analytic_costs(
         for slot in graph.slots():
             slots_by_node.setdefault(slot.node, []).append(slot)
         for node in graph.nodes():
-            args = [env[src] for src in graph.inputs_of(node)]
+            srcs = graph.inputs_of(node)
+            args = [env[src] for src in srcs]
             shapes = tuple(tuple(a.shape) for a in args)
+            # as the engine runs an op: every float input but the data is a leaf that requires grad
+            needs_grad = tuple(src != INPUT and a.is_floating_point() for src, a in zip(srcs, args))
             shape = None
             for slot in slots_by_node[node]:
-                # Ops of the same spec on the same input shapes cost the same (layers repeat).
-                key = (slot.spec, shapes, tuple(src != INPUT for src in graph.inputs_of(node)))
+                # Ops of the same spec on the same inputs cost the same (layers repeat).
+                key = (slot.spec, shapes, needs_grad)
                 if key not in measured:
                     module = build_op(slot.spec, slot.op_id, 0)
                     counter, made = FlopCounterMode(display=False), _ActivationBytes()
                     with counter, made:
                         out = module(*args, ctx=OpContext(0, 0, 0, slot.op_id, False))
                     pbytes = sum(p.numel() * p.element_size() for p in module.parameters())
-                    # What a training forward keeps, run as the engine runs it (float inputs but
-                    # the data are leaves that require grad).
-                    leaves = [a.detach().requires_grad_(src != INPUT and a.is_floating_point())
-                              for src, a in zip(graph.inputs_of(node), args)]
+                    # what a training forward keeps
+                    leaves = [a.detach().requires_grad_(g) for a, g in zip(args, needs_grad)]
                     kept = kept_bytes(module, leaves, OpContext(0, 0, 0, slot.op_id, True))
                     measured[key] = (out, counter.get_total_flops(), made.bytes, pbytes, kept)
                 out, flops, made_bytes, pbytes, act_bytes = measured[key]
