@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from supernet import INPUT, OpContext, SupernetError, SupernetGraph, build_op
+from supernet.execute import input_needs_grad
 from supernet.ops import run_op
 
 from .files import atomic_write_text
@@ -257,8 +258,7 @@ def _measure(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: in
     for node in graph.nodes():
         srcs = graph.inputs_of(node)
         args = [env[s] for s in srcs]
-        # as supernet.execute does: every float input but the data is a leaf that requires grad
-        needs_grad = [s != INPUT and a.is_floating_point() for s, a in zip(srcs, args)]
+        needs_grad = [input_needs_grad(s, a) for s, a in zip(srcs, args)]  # as the engine runs the op
         shape = None
         for slot in slots_by_node[node]:
             module = build_op(slot.spec, slot.op_id, seed).to(device=device, dtype=dtype)

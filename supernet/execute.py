@@ -35,7 +35,8 @@ from .activations import ActivationPolicy, run_with_policy
 from .ops import OpContext, OpSpec, build_op, run_op
 from .space import Arch
 
-__all__ = ["Slice", "cut", "live_across", "whole_slice", "SliceRun", "loss_and_grad", "classification_loss"]
+__all__ = ["Slice", "cut", "live_across", "whole_slice", "SliceRun", "loss_and_grad", "classification_loss",
+           "input_needs_grad"]
 
 
 @dataclass(frozen=True)
@@ -418,10 +419,14 @@ def _contiguous(g: torch.Tensor | None) -> torch.Tensor | None:
     return None if g is None else g.contiguous()  # None: no gradient reached this tensor
 
 
+def input_needs_grad(src: str, t: torch.Tensor) -> bool:
+    """Whether an op's input ``t`` (from node ``src``) runs as a leaf that requires grad: every
+    float input but the data. The engine, the profiler and the cost model all decide it here."""
+    return src != INPUT and t.is_floating_point()
+
+
 def _leaf(src: str, t: torch.Tensor) -> torch.Tensor | None:
-    if src == INPUT or not t.is_floating_point():
-        return None
-    return t.detach().requires_grad_(True)
+    return t.detach().requires_grad_(True) if input_needs_grad(src, t) else None
 
 
 def classification_loss(logits: torch.Tensor, target: torch.Tensor, batch_size: int) -> torch.Tensor:

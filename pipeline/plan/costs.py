@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from supernet import INPUT, ActiveOp, OpContext, SupernetError, SupernetGraph, build_op
-from supernet.execute import live_across
+from supernet.execute import input_needs_grad, live_across
 from supernet.ops import run_op
 
 from .partition import ManagedMemory, OpCost, PartitionProblem
@@ -107,8 +107,7 @@ def analytic_costs(
             srcs = graph.inputs_of(node)
             args = [env[src] for src in srcs]
             shapes = tuple(tuple(a.shape) for a in args)
-            # as the engine runs an op: every float input but the data is a leaf that requires grad
-            needs_grad = tuple(src != INPUT and a.is_floating_point() for src, a in zip(srcs, args))
+            needs_grad = tuple(input_needs_grad(src, a) for src, a in zip(srcs, args))  # as the engine runs the op
             shape = None
             for slot in slots_by_node[node]:
                 # Ops of the same spec on the same inputs cost the same (layers repeat).
