@@ -193,17 +193,24 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def one_process(scratch: Path) -> dict[str, Result]:
     """Every one-process command, and each torchrun command's one-process twin, in one
-    interpreter (start-up dominates); by command id (twins: ``<id>:twin``)."""
-    cases, names = [], []
+    interpreter (start-up dominates); by command id (twins: ``<id>:twin``). Torchrun commands
+    with the same twin (ten of them are a layout of the default run) share one twin run."""
+    cases, names, twin_of = [], [], {}
     for c in COMMANDS:
         if c.kind == "search":
             run_dir = [] if any(a.startswith("hydra.run.dir=") for a in c.args) else [f"hydra.run.dir=runs/{c.line}"]
             cases.append(Case([*c.args, *SHORT, *run_dir], str(scratch)))
             names.append(c.id)
         elif c.kind == "torchrun" or (c.kind == "node" and "--node_rank=0" in c.text):
-            cases.append(Case([*_twin_args(c), *SHORT, f"hydra.run.dir=twins/{c.line}"], str(scratch)))
-            names.append(f"{c.id}:twin")
-    return dict(zip(names, run_cases(cases, timeout_s=1200)))
+            args = tuple(_twin_args(c))
+            if args not in twin_of:
+                twin_of[args] = f"{c.id}:twin"
+                cases.append(Case([*args, *SHORT, f"hydra.run.dir=twins/{c.line}"], str(scratch)))
+                names.append(twin_of[args])
+            else:
+                names.append((f"{c.id}:twin", twin_of[args]))
+    ran = dict(zip([n for n in names if isinstance(n, str)], run_cases(cases, timeout_s=1200)))
+    return {n[0]: ran[n[1]] for n in names if isinstance(n, tuple)} | ran
 
 
 @pytest.mark.parametrize("c", [c for c in COMMANDS if c.kind == "search"], ids=lambda c: c.id)
