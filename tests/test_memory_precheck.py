@@ -112,12 +112,23 @@ def brute_min_max(sizes: list[int], stages: int) -> int:
                for cuts in itertools.combinations_with_replacement(range(n + 1), stages - 1))
 
 
+_COSTS: dict[int, tuple[SupernetGraph, object]] = {}  # id(graph) -> (graph, its cost table): the graph kept, so
+                                                      # its id is not reused
+
+
+def _costs(graph: SupernetGraph):
+    """The graph's analytic cost table, made once (a test plans every arch of its graph)."""
+    if id(graph) not in _COSTS:
+        _COSTS[id(graph)] = (graph, analytic_costs(graph, SHAPE, BATCH // M))
+    return _COSTS[id(graph)][1]
+
+
 def plans(graph: SupernetGraph, arch: Arch, stages: int, planner: str, memory: MemorySettings) -> None:
     """Plan ``arch`` as a pipelined engine's planner does (raises when no split fits the arenas)."""
     sizes = op_footprints(graph, 0, SGD, CPU, memory)
     model = MemoryModel(memory, (memory.device_budget_bytes,) * stages, sizes)
-    p = LookaheadPlanner(graph, 0, stages, M, PipelineSettings(planner=planner),
-                         analytic_costs(graph, SHAPE, BATCH // M), stages > 1, "sgd", model)
+    p = LookaheadPlanner(graph, 0, stages, M, PipelineSettings(planner=planner), _costs(graph), stages > 1, "sgd",
+                         model)
     p.ensure(torch.empty((BATCH, *SHAPE)), BATCH // M, training=False)
     p.plan_with(arch, initial_owners(graph.slots(), stages), None)
 
@@ -194,8 +205,7 @@ def chain_plans(graph: SupernetGraph, archs: list[Arch], stages: int, settings: 
                 budget: int) -> bool:
     """Whether a pipelined engine's planner plans every step of ``archs`` within the activation budget."""
     memory = MemorySettings(activations="auto", activation_budget_bytes=budget)
-    p = LookaheadPlanner(graph, 0, stages, M, settings,
-                         analytic_costs(graph, SHAPE, BATCH // M), stages > 1, "sgd", MemoryModel(memory))
+    p = LookaheadPlanner(graph, 0, stages, M, settings, _costs(graph), stages > 1, "sgd", MemoryModel(memory))
     try:
         p.ensure(torch.empty((BATCH, *SHAPE)), BATCH // M, training=False)
         for _, plan in p.chain(archs, initial_owners(graph.slots(), stages), None):
