@@ -23,11 +23,19 @@ def deterministic() -> None:
     np.random.seed(0)
 
 
-# The files that take longest (minutes each on 2 cores) are collected first: pytest-xdist hands out
-# whole files (--dist loadfile) in collection order, and one of these started last ran alone at the
-# end of the suite. The rest keep pytest's order.
-LONGEST_FIRST = ("test_readme.py", "test_memory_pipeline.py", "test_cli.py", "test_data_parallel.py", "test_peer.py",
-                 "test_pipeline_equivalence.py", "test_composition.py", "test_parallel_search.py")
+# The files that take longest (one to nine minutes each on 2 cores; measured 2026-11-28 with
+# --junitxml) are collected first: pytest-xdist hands out whole files (--dist loadfile) in collection
+# order, and one of these started last ran alone at the end of the suite. The rest keep pytest's order.
+LONGEST_FIRST = ("test_readme.py", "test_memory_pipeline.py", "test_cli.py", "test_data_parallel.py",
+                 "test_pipeline_equivalence.py", "test_composition.py", "test_peer.py", "test_parallel_search.py",
+                 "test_clipping.py", "test_memory_precheck.py", "test_delayed_oracle.py", "test_cross_pipeline.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist 3.7+ hands out files by their number of tests, most first, unless told not to:
+    # that put the files of few long multi-process tests last. Keep the order below instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
