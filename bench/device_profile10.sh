@@ -2,7 +2,8 @@
 # Where a tensor-managed run's time outside its steps goes (2026-11-28's H100 check: `hybrid` and
 # `device` at 4x spent 1.5-4 s more of train_time_s outside their steps than all-resident, which
 # itself spent ~9 s of 13 s there). One all-resident and one `hybrid` 4x run of bench/cuda_placements.py's
-# setting under cProfile (the main thread), the 40 costliest calls by cumulative time of each.
+# setting under cProfile (the main thread): of each, the project's 60 costliest calls by cumulative time
+# and the 30 costliest by own time.
 #   bash bench/device_profile10.sh [device] [layers] [width] [steps]
 source "$(dirname "$0")/device_env.sh"
 dev="${1:-cuda}"; layers="${2:-8}"; width="${3:-1024}"; steps="${4:-24}"

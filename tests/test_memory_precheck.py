@@ -5,6 +5,7 @@ command line exits 2 with one line naming the field and the value."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from pathlib import Path
@@ -18,7 +19,7 @@ from pipeline.lookahead import LookaheadPlanner
 from pipeline.memory import MemoryModel, MemorySettings, OptimConfig, TensorManager
 from pipeline.memory.sizing import largest_subnet, op_footprints
 from pipeline.plan.activations import ActivationError
-from pipeline.plan.costs import analytic_costs
+from pipeline.plan.costs import CostTable, analytic_costs
 from pipeline.plan.placement import initial_owners
 from search.app import _sampler, prepare, run
 from search.config import ConfigError, build_data, build_space, load_config
@@ -112,15 +113,10 @@ def brute_min_max(sizes: list[int], stages: int) -> int:
                for cuts in itertools.combinations_with_replacement(range(n + 1), stages - 1))
 
 
-_COSTS: dict[int, tuple[SupernetGraph, object]] = {}  # id(graph) -> (graph, its cost table): the graph kept, so
-                                                      # its id is not reused
-
-
-def _costs(graph: SupernetGraph):
+@functools.lru_cache(maxsize=None)
+def _costs(graph: SupernetGraph) -> CostTable:
     """The graph's analytic cost table, made once (a test plans every arch of its graph)."""
-    if id(graph) not in _COSTS:
-        _COSTS[id(graph)] = (graph, analytic_costs(graph, SHAPE, BATCH // M))
-    return _COSTS[id(graph)][1]
+    return analytic_costs(graph, SHAPE, BATCH // M)
 
 
 def plans(graph: SupernetGraph, arch: Arch, stages: int, planner: str, memory: MemorySettings) -> None:

@@ -195,22 +195,22 @@ def one_process(scratch: Path) -> dict[str, Result]:
     """Every one-process command, and each torchrun command's one-process twin, in one
     interpreter (start-up dominates); by command id (twins: ``<id>:twin``). Torchrun commands
     with the same twin (ten of them are a layout of the default run) share one twin run."""
-    cases, names, twin_of = [], [], {}
+    cases, ran_as, twin_of, shared = [], [], {}, {}  # shared: a twin's id -> the id of the run it shares
     for c in COMMANDS:
         if c.kind == "search":
             run_dir = [] if any(a.startswith("hydra.run.dir=") for a in c.args) else [f"hydra.run.dir=runs/{c.line}"]
             cases.append(Case([*c.args, *SHORT, *run_dir], str(scratch)))
-            names.append(c.id)
+            ran_as.append(c.id)
         elif c.kind == "torchrun" or (c.kind == "node" and "--node_rank=0" in c.text):
-            args = tuple(_twin_args(c))
-            if args not in twin_of:
-                twin_of[args] = f"{c.id}:twin"
+            args, name = tuple(_twin_args(c)), f"{c.id}:twin"
+            first = twin_of.setdefault(args, name)
+            if first == name:
                 cases.append(Case([*args, *SHORT, f"hydra.run.dir=twins/{c.line}"], str(scratch)))
-                names.append(twin_of[args])
+                ran_as.append(name)
             else:
-                names.append((f"{c.id}:twin", twin_of[args]))
-    ran = dict(zip([n for n in names if isinstance(n, str)], run_cases(cases, timeout_s=1200)))
-    return {n[0]: ran[n[1]] for n in names if isinstance(n, tuple)} | ran
+                shared[name] = first
+    ran = dict(zip(ran_as, run_cases(cases, timeout_s=1200)))
+    return ran | {name: ran[first] for name, first in shared.items()}
 
 
 @pytest.mark.parametrize("c", [c for c in COMMANDS if c.kind == "search"], ids=lambda c: c.id)
