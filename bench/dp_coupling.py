@@ -24,7 +24,8 @@ step and kind of span (``forward``, ``backward``, ``optimizer``, ``reduce``: the
 durations in the step), the rank's figure. ``paired``: per kind, the median over the traced
 steps of a coupled rank's figure over the mean of the two uncoupled runs' for the same step (the
 same subnet), and ``noise_floor``: the second uncoupled run's over the first's (what two
-independent runs of the same work differ by). A compute ratio above the noise floor is time a
+independent runs of the same work differ by). ``paired_actions``: the same per action (``0F0``,
+``0B1``, ``0U``, ...). A compute ratio above the noise floor is time a
 coupled rank's forward or backward took beyond the same work uncoupled: the two ranks running
 the same phases at the same moment (they start every step together), and what else the coupled
 process runs on its core. ``optimizer`` includes the reduction (``reduce`` nests in it).
@@ -80,19 +81,25 @@ def free_port() -> int:
 
 
 def per_step(run_dir: Path) -> dict[int, dict[int, dict[str, float]]]:
-    """rank -> step -> kind -> seconds (the kind's spans summed over the step) from ``trace.json``."""
+    """rank -> step -> kind -> seconds (the kind's spans summed over the step) from ``trace.json``;
+    also each action's own seconds under its name (``0F0``: stage 0's forward of its first
+    micro-batch, ``0U``: the update)."""
     spans = spans_from_chrome(json.loads((run_dir / "trace.json").read_text()))
     out: dict[int, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
     for s in spans:
         if s.cat in KINDS:
             out[s.rank][s.step][s.cat] += s.dur_s
+            if s.cat != "reduce":
+                out[s.rank][s.step][s.name] += s.dur_s
     return out
 
 
-def paired(a: dict[int, dict[str, float]], *bs: dict[int, dict[str, float]]) -> dict[str, float | None]:
-    """Per kind, the median over the steps all traced of ``a``'s seconds over the mean of ``bs``'."""
+def paired(a: dict[int, dict[str, float]], *bs: dict[int, dict[str, float]],
+           keys: tuple[str, ...] = KINDS) -> dict[str, float | None]:
+    """Per kind (or action name, ``keys``), the median over the steps all traced of ``a``'s
+    seconds over the mean of ``bs``'."""
     ratios = {}
-    for kind in KINDS:
+    for kind in keys:
         r = [a[s][kind] / statistics.fmean(b[s][kind] for b in bs) for s in a
              if a[s].get(kind) and all(b.get(s, {}).get(kind) for b in bs)]
         ratios[kind] = round(statistics.median(r), 3) if r else None
@@ -186,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         for row in (x for x in rows if x["round"] == r and x["run"] != "uncoupled"):
             mine = row["_traces"] if isinstance(row["_traces"], dict) else dict(enumerate(row["_traces"]))
             row["paired"] = {str(k): paired(v, *base_row["_traces"]) for k, v in sorted(mine.items())}
+            names = sorted({n for v in mine.values() for st in v.values() for n in st if n not in KINDS})
+            row["paired_actions"] = {str(k): paired(v, *base_row["_traces"], keys=tuple(names))
+                                     for k, v in sorted(mine.items())}
             row["over_uncoupled"] = round(row["train_time_s"] / base_row["train_time_s"], 3)
     for row in rows:
         del row["_traces"]
@@ -198,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             "over_uncoupled": statistics.median(x["over_uncoupled"] for x in mine),
             "over_uncoupled_by_round": [x["over_uncoupled"] for x in mine],
             "paired_by_round": [x["paired"] for x in mine],
+            "paired_actions_by_round": [x["paired_actions"] for x in mine],
             "noise_floor_by_round": [x["noise_floor"] for x in rows if x["run"] == "uncoupled"],
             "baseline": "uncoupled: two torchrun --nproc_per_node=1 runs on half the batch each, side by side, same rounds",
         })

@@ -139,6 +139,7 @@ class RunConfig:
     pipeline: PipelineSettings
     memory: MemorySettings = MemorySettings()
     deterministic: bool = True
+    keep_host_memory: bool = True  # glibc's malloc keeps freed memory (pipeline/malloc.py)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -412,11 +413,13 @@ def load_config(cfg: DictConfig | Mapping[str, Any]) -> RunConfig:
     output_dir = root.str("output_dir", None, optional=True)
     resume = root.bool("resume", True)
     deterministic = root.bool("deterministic", True)
+    keep_host_memory = root.bool("keep_host_memory", True)
     space, data = _target(root, "space"), _target(root, "data")
     sampler = _sampler(root)
     run = RunConfig(seed=seed, device=device, threads=threads, output_dir=output_dir, resume=resume,
                     space=space, data=data, sampler=sampler, train=_train(root), search=_search(root),
-                    pipeline=_pipeline(root), memory=_memory(root), deterministic=deterministic)
+                    pipeline=_pipeline(root), memory=_memory(root), deterministic=deterministic,
+                    keep_host_memory=keep_host_memory)
     late = [s for s in run.pipeline.trace_steps if s >= run.train.steps]
     if late:
         raise ConfigError(f"pipeline.trace_steps: expected steps below train.steps ({run.train.steps}), found {late}")

@@ -61,7 +61,7 @@ def test_defaults() -> None:
     assert rc.sampler.name == "uniform" and rc.search.algorithm == "evolution"
     assert rc.train.optimizer.name == "sgd" and rc.train.schedule()(rc.train.steps - 1) < rc.train.optimizer.lr
     assert rc.pipeline.schedule == "1f1b" and rc.pipeline.stages == "auto" and rc.pipeline.window == "auto"
-    assert rc.seed == 0 and rc.device == "auto" and rc.resume and rc.deterministic
+    assert rc.seed == 0 and rc.device == "auto" and rc.resume and rc.deterministic and rc.keep_host_memory
     assert load_config(make_cfg("search=random")).search.budget == rc.search.budget
 
 
@@ -105,6 +105,7 @@ def test_custom_space_through_a_yaml_on_the_search_path(tmp_path: Path) -> None:
     (["train.steps=10", "pipeline.trace_steps=[3,10]"], "pipeline.trace_steps: expected steps below train.steps (10), found [10]"),
     (["train.nonfinite=ignore"], "train.nonfinite: expected one of ['stop', 'skip'], found 'ignore'"),
     (["deterministic=sometimes"], "deterministic: expected true or false, found 'sometimes'"),
+    (["keep_host_memory=1GB"], "keep_host_memory: expected true or false, found '1GB'"),
 ])
 def test_malformed_config_names_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
