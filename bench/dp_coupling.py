@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -117,14 +116,12 @@ def _launch(nproc: int, overrides: list[str], out: Path, tree: Path, log: Path,
                                 env={**run_env(tree), **(env or {})}, stdout=subprocess.DEVNULL, stderr=f)
 
 
-def _wait(procs: list[subprocess.Popen], logs: list[Path], what: str) -> float:
-    t0 = time.perf_counter()
+def _wait(procs: list[subprocess.Popen], logs: list[Path], what: str) -> None:
     for p, log in zip(procs, logs):
         if p.wait() != 0:
             for q in procs:
                 q.kill()
             sys.exit(f"{what} exited {p.returncode}:\n{log.read_text()[-3000:]}")
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,22 +177,21 @@ def main(argv: list[str] | None = None) -> None:
                              for k, (d, lg) in enumerate(zip(dirs, logs))]
                     _wait(procs, logs, kind)
                     results = [_result(d, 0.0) for d in dirs]
-                    traces = [per_step(d)[0] for d in dirs]
+                    traces = {k: per_step(d)[0] for k, d in enumerate(dirs)}  # run -> its one rank's steps
                     rows.append({"kind": "run", "run": kind, "tree": tree, "round": r,
                                  "train_time_s": max(x["train_time_s"] for x in results),
                                  "train_times_s": [x["train_time_s"] for x in results],
-                                 "ranks": {str(k): medians_ms(v) for k, v in enumerate(traces)},
+                                 "ranks": {str(k): medians_ms(v) for k, v in traces.items()},
                                  **({"noise_floor": paired(traces[1], traces[0])} if kind == "uncoupled" else {}),
                                  "_traces": traces})
     summary: list[dict[str, Any]] = []
     for r in range(args.rounds):
         base_row = next(x for x in rows if x["round"] == r and x["run"] == "uncoupled")
         for row in (x for x in rows if x["round"] == r and x["run"] != "uncoupled"):
-            mine = row["_traces"] if isinstance(row["_traces"], dict) else dict(enumerate(row["_traces"]))
-            row["paired"] = {str(k): paired(v, *base_row["_traces"]) for k, v in sorted(mine.items())}
+            mine, baseline = row["_traces"], base_row["_traces"].values()
+            row["paired"] = {str(k): paired(v, *baseline) for k, v in sorted(mine.items())}
             names = sorted({n for v in mine.values() for st in v.values() for n in st if n not in KINDS})
-            row["paired_actions"] = {str(k): paired(v, *base_row["_traces"], keys=tuple(names))
-                                     for k, v in sorted(mine.items())}
+            row["paired_actions"] = {str(k): paired(v, *baseline, keys=tuple(names)) for k, v in sorted(mine.items())}
             row["over_uncoupled"] = round(row["train_time_s"] / base_row["train_time_s"], 3)
     for row in rows:
         del row["_traces"]

@@ -11,9 +11,10 @@ blocks come from the heap from the first step, not once the dynamic threshold ha
 trim threshold at 1 GiB (freed memory at the heap's top stays, up to that), and a 64 MiB top pad
 (the heap grows in larger steps). An allocator does not change what the kernels compute: the same
 bits. The price: the process's resident size stays near its peak instead of shrinking between
-steps. Measured on this project's 2-core CPU machine (bench/RESULTS.md, 2026-11-28): the
-transformer w256's steps 4-19 % faster in one process and 3-9 % under torchrun, with far fewer
-page faults.
+steps (the peak itself did not move). Measured on this project's 2-core CPU machine
+(bench/RESULTS.md, 2026-11-28): the transformer w256's runs fault 2-3x fewer pages; its
+data-parallel run under torchrun 2 trained 13.40 s against 14.41 s (1.56x one process against
+1.43x in the same table); one process and the default space within the machine's noise.
 
 PyTorch's CPU performance guide recommends jemalloc or tcmalloc (``LD_PRELOAD``) for the same
 reason; this needs neither, nor a launcher change. Only glibc has ``mallopt``: elsewhere (musl,
