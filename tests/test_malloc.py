@@ -10,14 +10,17 @@ from pipeline.malloc import keep_freed_memory
 
 GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
-# In a fresh interpreter: a step's pattern, eight 16 MiB tensors made and all freed, four times;
-# the minor page faults of the last step (its 128 MiB is 32768 pages of 4 KiB, each faulted in
-# and zeroed when the memory is new to the process).
+# In a fresh interpreter: a step's pattern, eight 16 MiB tensors made and all freed, twice; the
+# minor page faults of the second step (its 128 MiB is 32768 pages of 4 KiB, each faulted in and
+# zeroed when the memory is new to the process). The second step, not a later one: glibc's dynamic
+# mmap threshold rises as such chunks are freed, so under its defaults this toy pattern stops
+# faulting after two to four steps (a run's varied sizes keep faulting: 253-277 k faults against
+# 80 k kept, bench/RESULTS.md 2026-11-28).
 PROBE = textwrap.dedent("""
     import resource, sys, torch
     from pipeline.malloc import keep_freed_memory
     took = keep_freed_memory() if sys.argv[1] == "keep" else None
-    for step in range(4):
+    for step in range(2):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         xs = [torch.ones(4 << 20) for _ in range(8)]
         del xs
@@ -35,8 +38,8 @@ def test_kept_memory_is_reused_without_faulting_it_in_again() -> None:
     took, kept = _faults("keep")
     _, default = _faults("default")
     assert took == "True"
-    assert default >= 16384, f"glibc's defaults: the last step faulted {default} pages (expected its 32768 anew)"
-    assert kept < default / 10, f"kept: {kept} page faults in the last step, glibc's defaults: {default}"
+    assert default >= 16384, f"glibc's defaults: the second step faulted {default} pages (expected its 32768 anew)"
+    assert kept <= default / 4, f"kept: {kept} page faults in the second step, glibc's defaults: {default}"
 
 
 def test_where_there_is_no_mallopt_nothing_changes_and_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
