@@ -56,7 +56,7 @@ from supernet.execute import input_needs_grad
 from supernet.ops import run_op
 
 from .files import atomic_write_text
-from .plan.costs import CostTable, analytic_costs, kept_bytes, optim_bytes
+from .plan.costs import CostTable, analytic_costs, graph_digest, kept_bytes, optim_bytes
 from .plan.partition import OpCost
 
 __all__ = ["ProfileError", "measured_costs", "shared_profile", "cost_table", "profile_key", "default_cache_dir",
@@ -88,12 +88,6 @@ def _device_name(device: torch.device) -> str:
         pass
     # CPU op times depend on the intra-op thread count the job runs with.
     return f"{name} ({torch.get_num_threads()} threads)"
-
-
-def graph_digest(graph: SupernetGraph) -> str:
-    """sha256 over the supernet's structure: every op's id, node, inputs and spec."""
-    rows = [[s.op_id, s.node, list(graph.inputs_of(s.node)), str(s.spec)] for s in graph.slots()]
-    return hashlib.sha256(json.dumps([rows, graph.output]).encode()).hexdigest()
 
 
 def profile_key(graph: SupernetGraph, sample_shape: Sequence[int], microbatch: int, optimizer: str,

@@ -7,9 +7,18 @@ kept-activation bytes) and, for every node, the bytes of its output (what crosse
 device under a FLOP counter, so a NASPipe-sized space at width 1024 costs nothing to model.
 The measured profiler (``pipeline.profile``) produces the same table from timings.
 ``subnet_problem`` turns a table and an arch into the partitioner's input.
+
+An analytic table is a pure function of the graph's structure (:func:`graph_digest`), the sample
+shape, the micro-batch and the optimizer, so a process keeps the last few it made: the reference
+engine, the memory pre-check and each planner ask for it, and a meta-device forward of the conv
+space's batch norms costs 0.6 s a time. (The registry's builder for an op kind is taken as fixed
+within a process, as the profile cache takes it across processes.)
 """
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +33,7 @@ from supernet.ops import run_op
 from .partition import ManagedMemory, OpCost, PartitionProblem
 from .schedule import Schedule
 
-__all__ = ["CostTable", "analytic_costs", "kept_bytes", "mean_cost", "mean_problem", "optim_bytes", "subnet_problem"]
+__all__ = ["CostTable", "analytic_costs", "graph_digest", "kept_bytes", "mean_cost", "mean_problem", "optim_bytes", "subnet_problem"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,15 @@ def kept_bytes(module: torch.nn.Module, args: list[torch.Tensor], ctx: OpContext
     return sum(t.untyped_storage().nbytes() for k, t in saved.items() if k not in exclude)
 
 
+def graph_digest(graph: SupernetGraph) -> str:
+    """sha256 over the supernet's structure: every op's id, node, inputs and spec."""
+    rows = [[s.op_id, s.node, list(graph.inputs_of(s.node)), str(s.spec)] for s in graph.slots()]
+    return hashlib.sha256(json.dumps([rows, graph.output]).encode()).hexdigest()
+
+
+_MADE: OrderedDict[tuple, CostTable] = OrderedDict()  # the last analytic tables made, by their arguments
+
+
 def analytic_costs(
     graph: SupernetGraph,
     sample_shape: tuple[int, ...],
@@ -93,7 +111,22 @@ def analytic_costs(
     """A cost table from FLOPs and bytes (no real compute): time = FLOPs / ``flops_per_s`` +
     bytes touched (every tensor the forward makes, and its inputs) / ``bytes_per_s`` + a fixed
     per-op overhead; backward costs twice forward. ``act_bytes`` is what a training forward
-    keeps for its backward (:func:`kept_bytes`), as the measured profiler counts it."""
+    keeps for its backward (:func:`kept_bytes`), as the measured profiler counts it. Kept per
+    process by its arguments (the module docstring)."""
+    key = (graph_digest(graph), tuple(int(d) for d in sample_shape), int(microbatch), optimizer, flops_per_s,
+           bytes_per_s, overhead_s)
+    table = _MADE.get(key)
+    if table is None:
+        table = _MADE[key] = _analytic_costs(graph, tuple(sample_shape), microbatch, optimizer, flops_per_s,
+                                             bytes_per_s, overhead_s)
+        while len(_MADE) > 8:
+            _MADE.popitem(last=False)
+    _MADE.move_to_end(key)
+    return table
+
+
+def _analytic_costs(graph: SupernetGraph, sample_shape: tuple[int, ...], microbatch: int, optimizer: str,
+                    flops_per_s: float, bytes_per_s: float, overhead_s: float) -> CostTable:
     ops: dict[str, OpCost] = {}
     out_bytes: dict[str, int] = {}
     measured: dict[tuple, tuple] = {}
