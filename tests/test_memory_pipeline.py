@@ -4,8 +4,6 @@ migrating between stages, from host memory too) computes the same bits as the al
 single-process reference, and no stage's device tier ever holds more than its budget."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from distributed import Scenario, assert_same_as_reference, one_process, run_scenario, spawn
@@ -84,17 +82,6 @@ def test_swapped_and_recomputed_activations_compute_the_same_bits_in_stages(stag
 
 # -- the planner knows the manager's budgets ---------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _costs(space: str, sample_shape: tuple[int, ...], microbatch: int, optimizer: str):
-    """The analytic cost table the planner makes on its first batch (what ``ensure`` computes; it
-    does not depend on the memory settings, and the budget searches below plan a scenario dozens
-    of times)."""
-    from distributed import build_graph
-    from pipeline.plan.costs import analytic_costs
-
-    return analytic_costs(build_graph(space), sample_shape, microbatch, optimizer)
-
-
 def planned(sc: Scenario, stages: int, memory: dict) -> list:
     """The plans the engine makes for ``sc``'s steps (the lookahead planner is pure: the same
     chain of placements, steps before and memory model as in the engine)."""
@@ -113,11 +100,10 @@ def planned(sc: Scenario, stages: int, memory: dict) -> list:
         model = MemoryModel(settings, (settings.device_budget_bytes,) * stages,
                             tm.footprints(slot.op_id for slot in graph.slots()))
         tm.close()
-    x, _ = step_data(sc.seed, 0, sc.batch)
     planner = LookaheadPlanner(graph, sc.seed, stages, sc.microbatches,
-                               PipelineSettings(schedule=sc.schedule, planner=sc.planner, **sc.extra),
-                               _costs(sc.space, tuple(x.shape[1:]), sc.batch // sc.microbatches, sc.optimizer),
+                               PipelineSettings(schedule=sc.schedule, planner=sc.planner, **sc.extra), None,
                                True, sc.optimizer, model)
+    x, _ = step_data(sc.seed, 0, sc.batch)
     planner.ensure(x, sc.batch // sc.microbatches, True)
     plans = []
     for _, plan in planner.chain(arch_stream(graph, sc.seed, sc.steps), initial_owners(graph.slots(), stages), None):
