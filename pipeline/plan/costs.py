@@ -33,7 +33,8 @@ from supernet.ops import run_op
 from .partition import ManagedMemory, OpCost, PartitionProblem
 from .schedule import Schedule
 
-__all__ = ["CostTable", "analytic_costs", "graph_digest", "kept_bytes", "mean_cost", "mean_problem", "optim_bytes", "subnet_problem"]
+__all__ = ["CostTable", "analytic_costs", "graph_digest", "kept_bytes", "mean_cost", "mean_problem", "optim_bytes",
+           "subnet_problem"]
 
 
 @dataclass(frozen=True)
