@@ -29,10 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# torch._dynamo: a process's first meta-device op imports it (torch's decompositions are wrapped to
-# disable dynamo), 1.4 s of a rank's CPU that the ranks planning on the meta device paid each
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "networkx", "pipeline", "pipeline.memory",
-           "supernet.spaces", "search.samplers", "distributed")
+PRELOAD = ("torch", "torch.distributed", "numpy", "networkx", "pipeline", "pipeline.memory", "supernet.spaces",
+           "search.samplers", "distributed")
 
 
 # -- the server (python tests/zygote.py) ---------------------------------------------------------
